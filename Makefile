@@ -1,0 +1,17 @@
+# Tandem: the two commands of the README, and their parts.
+.PHONY: setup serve demo test configs
+
+setup:            ## everything from nothing (idempotent): apt packages, .venv, default model
+	bash scripts/setup.sh
+
+serve: setup      ## start tritonserver on model_repository, stream a demo answer, keep serving
+	bash scripts/serve.sh
+
+demo: setup       ## like serve, but stop the server after the demo answer
+	bash scripts/serve.sh --demo-only
+
+test: setup       ## the whole test suite
+	.venv/bin/python -m pytest -q tests
+
+configs:          ## regenerate the engine models' config.pbtxt from backends/config.py
+	.venv/bin/python scripts/gen_config.py

@@ -1,0 +1,101 @@
+"""Engine configuration: one frozen dataclass, built from `config.pbtxt` parameters.
+
+Every knob has a default here; the table in the README is generated from the
+same defaults (`python -m backends.config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+ROLES = ("colocated", "prefill", "decode")
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "models", "SmolLM2-135M-Instruct")
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str = field(default=DEFAULT_MODEL_DIR, metadata={
+        "doc": "Hugging Face checkpoint directory; TANDEM_MODEL_PATH overrides it"})
+    role: str = field(default="colocated", metadata={"doc": "colocated | prefill | decode"})
+    device: str = field(default="auto", metadata={"doc": "auto (cuda if present, else cpu) | cpu | cuda[:N]"})
+    dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16 | float16"})
+    attention_backend: str = field(default="auto", metadata={
+        "doc": "auto (flashinfer on a GPU where it imports, else torch) | torch | triton | flashinfer"})
+    page_size: int = field(default=16, metadata={"doc": "tokens per KV page"})
+    num_pages: int = field(default=0, metadata={
+        "doc": "KV pages in the pool; 0 = enough for max_running_requests full contexts, capped by kv_memory_gb"})
+    kv_memory_gb: float = field(default=2.0, metadata={"doc": "KV pool cap when num_pages is 0"})
+    max_batch_tokens: int = field(default=512, metadata={"doc": "token budget of one step (decodes + prefill chunks)"})
+    chunk_size: int = field(default=512, metadata={"doc": "most prompt tokens of one request in one step (chunked prefill)"})
+    max_running_requests: int = field(default=64, metadata={"doc": "most requests in the running batch"})
+    max_context: int = field(default=0, metadata={"doc": "longest prompt + output; 0 = the model's max_position_embeddings"})
+    default_max_tokens: int = field(default=256, metadata={"doc": "max_tokens when a request gives none"})
+    threads: int = field(default=0, metadata={"doc": "torch CPU threads; 0 = all cores of this process"})
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("page_size", "max_batch_tokens", "chunk_size", "max_running_requests", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0 or self.threads < 0 or self.max_context < 0:
+            raise ValueError("num_pages, threads and max_context must be >= 0")
+
+    @staticmethod
+    def from_params(params: dict[str, str], **overrides) -> "EngineConfig":
+        """From Triton's string parameters; unknown names are refused, blanks keep defaults."""
+        known = {f.name: f for f in fields(EngineConfig)}
+        values = {}
+        for name, text in params.items():
+            if name not in known:
+                continue  # parameters of the adapter itself (e.g. transfer knobs) are not engine knobs
+            if text.strip() == "":
+                continue
+            default = known[name].default
+            values[name] = type(default)(text) if not isinstance(default, bool) else text.lower() == "true"
+        values.update(overrides)
+        if os.environ.get("TANDEM_MODEL_PATH"):
+            values["model_path"] = os.environ["TANDEM_MODEL_PATH"]
+        return EngineConfig(**values)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be auto or one of {list(dtypes)}, got {self.dtype!r}")
+        return dtypes[self.dtype]
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or _cpu_count()
+
+
+def parameter_table() -> str:
+    rows = ["| parameter | default | meaning |", "|---|---|---|"]
+    for f in fields(EngineConfig):
+        default = "models/SmolLM2-135M-Instruct" if f.name == "model_path" else f.default
+        rows.append(f"| `{f.name}` | `{default}` | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(parameter_table())

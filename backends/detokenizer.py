@@ -1,0 +1,54 @@
+"""Incremental detokenization that streams the way vLLM does.
+
+Each new token's text is the difference between decoding a short window that
+ends with it and the same window without it. The window starts in the prompt,
+so the leading space a SentencePiece tokenizer folds into the first new token
+is kept, and a token that ends inside a multi-byte character waits (its text
+would end in U+FFFD) until the character is complete. Stop strings are cut
+off, and text that could be the start of a stop string is held back until it
+cannot be.
+"""
+from __future__ import annotations
+
+PROMPT_CONTEXT = 6  # prompt tokens the first window starts with
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""      # output text so far, cut at a stop string
+        self.sent = 0       # characters of self.text already returned
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> None:
+        """Account for one new token; sets `stopped` when a stop string appears."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # no complete character yet
+        start = len(self.text)
+        self.text += after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._find_stop(start)
+
+    def _find_stop(self, start: int) -> None:
+        for s in self.stop:
+            idx = self.text.find(s, max(0, start - len(s) + 1))
+            if idx != -1:
+                self.text = self.text[:idx]
+                self.stopped = True
+
+    def take(self, final: bool) -> str:
+        """New text that is safe to stream; everything left when `final`."""
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece

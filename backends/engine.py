@@ -1,0 +1,90 @@
+"""The engine: scheduler, runner and tokenizer behind a thread-safe front.
+
+The Triton adapters (and tests, and benchmarks) call `generate` from any
+thread; the scheduler's loop runs in one background thread and delivers
+`RequestOutput`s to each request's sink from there.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Callable
+
+from backends.config import EngineConfig
+from backends.detokenizer import IncrementalDetokenizer
+from backends.request import Request, RequestOutput, SamplingParams
+from backends.runner import ModelRunner
+from backends.scheduler import ColocatedRole, Scheduler
+
+log = logging.getLogger("tandem.engine")
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a client: reported to that client only."""
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, role: ColocatedRole | None = None, tokenizer=None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model_path)
+        self.runner = ModelRunner(cfg)
+        eos = self.runner.model.cfg.eos_token_ids or (self.tokenizer.eos_token_id,)
+        self.scheduler = Scheduler(cfg, self.runner, tuple(e for e in eos if e is not None), role)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    # ---- requests ------------------------------------------------------------------
+    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        return self.tokenizer(prompt, add_special_tokens=True).input_ids
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams,
+                     sink: Callable[[RequestOutput], None], request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                                 f"{self.max_context} tokens (prompt + output)")
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 sink: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
+        """Queue a request; outputs go to `sink` from the engine thread. Returns its id."""
+        req = self.make_request(prompt_ids, params, sink, request_id)
+        self.scheduler.submit(req)
+        return req.id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    # ---- the loop thread -----------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.scheduler.step()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.scheduler.wake()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Plain tensors and functional ops, no nn.Module tree: the per-layer Python work
+is a handful of calls, which matters on a 2-core CPU. q/k/v and gate/up are
+fused into one matmul each at load time.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from backends.model_config import ModelConfig, rope_inv_freq
+from kernels import AttentionBackend
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor            # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor        # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm (fp32 variance).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, 1, D] (halves repeated, as transformers' rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        get = lambda name: weights.pop(name).to(device=device, dtype=dtype).contiguous()
+        self.embed = get("model.embed_tokens.weight")
+        self.layers = [self._layer(get, weights, i) for i in range(cfg.num_layers)]
+        self.norm = get("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights \
+            else get("lm_head.weight")
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _layer(self, get, weights, i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) \
+            if self.cfg.qkv_bias else None
+        norm = (lambda n: get(p + f"self_attn.{n}_norm.weight")) if self.cfg.qk_norm else (lambda n: None)
+        return LayerWeights(
+            input_norm=get(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+            q_norm=norm("q"), k_norm=norm("k"), o_proj=get(p + "self_attn.o_proj.weight"),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            down=get(p + "mlp.down_proj.weight"))
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                attn: AttentionBackend, plan: object, logit_rows: torch.Tensor,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions [T]; kv [L, 2, P, S, Hkv, D]; returns logits [len(logit_rows), V].
+
+        `after_layer(i)` runs once layer i's KV is in the cache (the prefill side
+        of a hand-off posts its layer-group writes from there)."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope_tables(positions)
+        residual = None
+        for i, w in enumerate(self.layers):
+            if residual is None:
+                residual, x = h, rms_norm(h, w.input_norm, cfg.rms_norm_eps)
+            else:
+                residual = residual + h
+                x = rms_norm(residual, w.input_norm, cfg.rms_norm_eps)
+            h = self._attention(x, w, kv[i], cos, sin, attn, plan)
+            residual = residual + h
+            x = rms_norm(residual, w.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, w.down)
+            if after_layer is not None:
+                after_layer(i)
+        last = (residual + h)[logit_rows]
+        return F.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+
+    def _attention(self, x, w: LayerWeights, kv_layer, cos, sin, attn, plan) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.forward(q, k, v, kv_layer[0], kv_layer[1], plan, self.scale)
+        return F.linear(o.reshape(t, self.q_size), w.o_proj)
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    weights = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name)
+    return weights
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    cfg = ModelConfig.load(path)
+    return LlamaModel(cfg, load_weights(path), device, dtype)

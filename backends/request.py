@@ -1,0 +1,99 @@
+"""A request's state inside the engine, counted in tokens (not phases).
+
+`num_computed` tokens have their KV in the cache; the request needs
+`len(tokens) - num_computed` more before it can sample. A prefill chunk, a
+decode step and KV that arrived from another engine are all just progress of
+that counter.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from backends.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0           # 0: no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    end_id: int | None = None  # overrides the model's EOS ids when set
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str = ""                 # new text since the previous output
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous output
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival = itertools.count()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 sink: Callable[[RequestOutput], None], detokenizer: IncrementalDetokenizer):
+        self.id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.sink = sink
+        self.detok = detokenizer
+        self.num_computed = 0
+        self.pages: list[int] = []
+        self.status = Status.WAITING
+        self.arrival = next(_arrival)
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.emitted_ids = 0   # output tokens already sent to the sink
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]

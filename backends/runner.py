@@ -1,0 +1,77 @@
+"""The model runner: turns a scheduled batch into tensors and runs the forward.
+
+It never decides who runs; it owns the weights, the KV buffer and the
+attention backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from backends.config import EngineConfig
+from backends.kv_cache import PagePool, allocate_kv_buffer
+from backends.model import load_model
+from backends.request import Request
+from kernels import AttentionMetadata, create_backend, resolve_backend_name
+
+
+@dataclass
+class Batch:
+    """(request, new tokens this step) pairs; `samples` are the requests whose
+    last pending token is in this step, so they sample a token from it."""
+
+    items: list[tuple[Request, int]]
+
+    def __post_init__(self):
+        self.samples = [r for r, n in self.items if r.num_computed + n == r.num_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads)
+        self.model = load_model(cfg.model_path, self.device, self.dtype)
+        mc = self.model.cfg
+        self.max_context = min(cfg.max_context or mc.max_position, mc.max_position)
+        self.pool = PagePool(self._num_pages(), cfg.page_size)
+        self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
+                                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
+        self.attn = create_backend(self.attention_backend, self.device)
+
+    def _num_pages(self) -> int:
+        if self.cfg.num_pages:
+            return self.cfg.num_pages
+        mc = self.model.cfg
+        page_bytes = 2 * mc.num_layers * self.cfg.page_size * mc.num_kv_heads * mc.head_dim \
+            * self.dtype.itemsize
+        wanted = self.cfg.max_running_requests * -(-self.max_context // self.cfg.page_size)
+        return max(1, min(wanted, int(self.cfg.kv_memory_gb * 2**30 // page_bytes)))
+
+    def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Forward of every item's new tokens; logits [len(batch.samples), V] (fp32)."""
+        ids, positions, q_lens, kv_lens, rows = [], [], [], [], []
+        end = 0
+        for req, n in batch.items:
+            start = req.num_computed
+            ids.extend(req.token_slice(start, start + n))
+            positions.append(torch.arange(start, start + n))
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            end += n
+            if start + n == req.num_tokens:
+                rows.append(end - 1)
+        meta = AttentionMetadata.build(q_lens, kv_lens, [r.pages for r, _ in batch.items],
+                                       self.cfg.page_size, self.device)
+        plan = self.attn.plan(meta)
+        return self.model.forward(
+            torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), self.kv,
+            self.attn, plan, torch.tensor(rows, device=self.device), after_layer)

@@ -1,0 +1,166 @@
+"""The thin Triton adapter every engine model.py uses.
+
+    execute(requests):  parse tensors -> engine.generate(sink=ResponseStream)
+    engine thread:      RequestOutput -> ResponseStream -> response_sender.send
+    watcher thread:     client cancelled -> engine.abort (frees its KV)
+
+`pb` is the `triton_python_backend_utils` module, passed in by model.py so this
+file imports without Triton (tests drive it with a stand-in).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+from backends.config import EngineConfig
+from backends.engine import Engine, InvalidRequest
+from backends.request import RequestOutput
+from backends.triton_io import OUTPUTS, GenerateRequest, output_arrays, parse_request
+
+log = logging.getLogger("tandem.adapter")
+CANCEL_POLL_S = 0.02
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    config = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+class ResponseStream:
+    """The sink of one request: turns engine outputs into Triton responses."""
+
+    def __init__(self, pb, sender, req: GenerateRequest, wanted: tuple[str, ...], on_gone):
+        self.pb, self.sender, self.req, self.wanted = pb, sender, req, wanted
+        self.on_gone = on_gone
+        self.prefix = "" if req.exclude_input else req.prompt
+        self.text, self.ids = [], []
+
+    def __call__(self, out: RequestOutput) -> None:
+        try:
+            self._send(out)
+        except Exception as exc:  # the client is gone: stop generating for it
+            log.info("stream of %s closed: %s", out.request_id, exc)
+            self.on_gone(out.request_id)
+
+    def _send(self, out: RequestOutput) -> None:
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        if out.error:
+            self.sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(out.error)),
+                             flags=final)
+            return
+        if not self.req.stream:
+            self.text.append(out.text)
+            self.ids.extend(out.token_ids)
+            if not out.finished:
+                return
+            out = RequestOutput(out.request_id, "".join(self.text), self.ids, True, out.finish_reason,
+                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens)
+        text, self.prefix = self.prefix + out.text, ""
+        arrays = output_arrays(text, out.token_ids, out.finish_reason, out.num_prompt_tokens,
+                               out.num_output_tokens, self.wanted)
+        tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
+        self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
+
+
+class EngineModel:
+    """Base of the `llm`, `prefill` and `decode` models' TritonPythonModel."""
+
+    pb = None      # set by model.py
+    role = "colocated"
+
+    def initialize(self, args: dict) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.params = model_parameters(args)
+        self.cfg = EngineConfig.from_params(self.params, role=self.role)
+        self.engine = self.create_engine()
+        self.engine.start()
+        self.streams: dict[str, tuple[object, ResponseStream]] = {}
+        self.lock = threading.Lock()
+        self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"))
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="tandem-watch", daemon=True)
+        self._watcher.start()
+        log.info("engine ready: %s, %s, %s, attention %s, %d KV pages of %d tokens",
+                 self.cfg.model_path, self.engine.runner.device, self.engine.runner.dtype,
+                 self.engine.runner.attention_backend, self.engine.runner.pool.num_pages, self.cfg.page_size)
+
+    def create_engine(self) -> Engine:
+        return Engine(self.cfg)
+
+    def execute(self, requests):
+        for request in requests:
+            self._start(request)
+        return None
+
+    def _start(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            get = lambda name: (t.as_numpy() if (t := self.pb.get_input_tensor_by_name(request, name)) is not None
+                                else None)
+            req = parse_request(get, self.cfg.default_max_tokens)
+            ids = self.engine.tokenize(req.prompt, chat=req.chat)
+            wanted = tuple(request.requested_output_names()) or OUTPUTS
+            stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort)
+            engine_request = self.engine.make_request(ids, req.params, self._sink(stream))
+        except InvalidRequest as exc:
+            self._reject(sender, str(exc))
+            return
+        except Exception as exc:  # never let one request take the model down
+            log.exception("request failed")
+            self._reject(sender, f"internal error: {exc}")
+            return
+        with self.lock:
+            self.streams[engine_request.id] = (request, stream)
+        self.engine.scheduler.submit(engine_request)
+
+    def _sink(self, stream: ResponseStream):
+        def sink(out: RequestOutput) -> None:
+            stream(out)
+            if out.finished:
+                with self.lock:
+                    self.streams.pop(out.request_id, None)
+        return sink
+
+    def _reject(self, sender, message: str) -> None:
+        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _watch(self) -> None:
+        """Abort requests whose client cancelled; publish engine gauges."""
+        while not self._closing.wait(CANCEL_POLL_S):
+            with self.lock:
+                streams = list(self.streams.items())
+            for request_id, (request, stream) in streams:
+                try:
+                    cancelled = stream.sender.is_cancelled()
+                except Exception:
+                    cancelled = True
+                if cancelled:
+                    self.engine.abort(request_id)
+            self.metrics.update(self.engine.stats())
+
+    def finalize(self) -> None:
+        self._closing.set()
+        self.engine.stop()
+
+
+class EngineMetrics:
+    """Engine gauges on Triton's metrics port (label: model)."""
+
+    GAUGES = {
+        "kv_pages_free": "KV cache pages free",
+        "kv_pages_total": "KV cache pages in the pool",
+        "running": "requests in the running batch",
+        "waiting": "requests waiting to be scheduled",
+    }
+
+    def __init__(self, pb, model: str):
+        # A family must outlive its metrics, so both are kept.
+        self.families = {key: pb.MetricFamily(name=f"tandem_{key}", description=doc, kind=pb.MetricFamily.GAUGE)
+                         for key, doc in self.GAUGES.items()}
+        self.gauges = {key: family.Metric(labels={"model": model}) for key, family in self.families.items()}
+
+    def update(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.set(float(stats[key]))

@@ -1,0 +1,1 @@
+"""Command-line client and load tools for Tandem's Triton models."""

