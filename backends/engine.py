@@ -81,7 +81,10 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.scheduler.step()
+            try:
+                self.scheduler.step()
+            except Exception:  # keep serving; the step already failed its own requests
+                log.exception("engine step failed")
 
     def stop(self) -> None:
         self._stop.set()

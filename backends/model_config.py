@@ -84,7 +84,8 @@ def rope_parameters(raw: dict) -> dict:
     """One dict with rope_type and rope_theta whichever transformers wrote the file."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    legacy = params.pop("type", None)
+    params["rope_type"] = params.get("rope_type") or legacy or "default"
     return params
 
 

@@ -74,4 +74,4 @@ class ModelRunner:
         plan = self.attn.plan(meta)
         return self.model.forward(
             torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), self.kv,
-            self.attn, plan, torch.tensor(rows, device=self.device), after_layer)
+            self.attn, plan, torch.tensor(rows, dtype=torch.long, device=self.device), after_layer)

@@ -17,6 +17,8 @@ import logging
 import threading
 import traceback
 
+import torch
+
 from backends.config import EngineConfig
 from backends.request import Request, RequestOutput, Status
 from backends.runner import Batch, ModelRunner
@@ -57,6 +59,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
+        self.num_preemptions = 0
         self.role.attach(self)
 
     # ---- called from other threads -------------------------------------------------
@@ -83,13 +86,13 @@ class Scheduler:
                 self._wake.wait(wait_s)
             return False
         try:
-            logits = self.runner.run(batch, self.role_layer_hook(batch))
+            with torch.inference_mode():
+                logits = self.runner.run(batch, self.role_layer_hook(batch))
+                self.process(batch, logits)
         except Exception as exc:  # a bad batch must not take the engine down
-            log.error("forward failed: %s", traceback.format_exc())
+            log.error("step failed: %s", traceback.format_exc())
             for req, _ in batch.items:
-                self.finish(req, "error", error=f"forward failed: {exc}")
-            return True
-        self.process(batch, logits)
+                self.finish(req, "error", error=f"internal error: {exc}")
         return True
 
     def role_layer_hook(self, batch: Batch):
@@ -146,6 +149,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free its KV and queue it again at the front; it recomputes prompt + output."""
         log.info("preempting %s (%d tokens) for lack of KV pages", req.id, req.num_tokens)
+        self.num_preemptions += 1
         self.running.remove(req)
         self.pool.free(req.pages)
         req.pages, req.num_computed, req.status = [], 0, Status.WAITING
@@ -221,4 +225,5 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_pages_free": self.pool.num_free, "kv_pages_total": self.pool.num_pages}
+                "kv_pages_free": self.pool.num_free, "kv_pages_total": self.pool.num_pages,
+                "preemptions": self.num_preemptions}

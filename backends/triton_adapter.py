@@ -35,13 +35,25 @@ class ResponseStream:
         self.on_gone = on_gone
         self.prefix = "" if req.exclude_input else req.prompt
         self.text, self.ids = [], []
+        # Triton frees the response factory with the final response; asking it
+        # is_cancelled() after that crashes the server, so both hold this lock.
+        self.lock = threading.Lock()
+        self.closed = False
 
     def __call__(self, out: RequestOutput) -> None:
         try:
-            self._send(out)
+            with self.lock:
+                if self.closed:
+                    return
+                self.closed = out.finished
+                self._send(out)
         except Exception as exc:  # the client is gone: stop generating for it
             log.info("stream of %s closed: %s", out.request_id, exc)
             self.on_gone(out.request_id)
+
+    def is_cancelled(self) -> bool:
+        with self.lock:
+            return not self.closed and self.sender.is_cancelled()
 
     def _send(self, out: RequestOutput) -> None:
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
@@ -133,7 +145,7 @@ class EngineModel:
                 streams = list(self.streams.items())
             for request_id, (request, stream) in streams:
                 try:
-                    cancelled = stream.sender.is_cancelled()
+                    cancelled = stream.is_cancelled()
                 except Exception:
                     cancelled = True
                 if cancelled:

@@ -1,0 +1,127 @@
+"""A real tritonserver process on free ports, over a copy of model_repository/
+with some parameters changed. Used by the tests and the load tools."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
+TRITONSERVER = os.path.join(ROOT, ".venv", "bin", "tritonserver")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_parameters(config: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        pattern = re.compile(r'(key: "%s"\s*value: \{ string_value: ")[^"]*(")' % re.escape(key))
+        config, count = pattern.subn(lambda m: m.group(1) + value + m.group(2), config)
+        if count == 0:
+            config += f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{value}" }}\n}}\n'
+    return config
+
+
+class TritonServer:
+    def __init__(self, repo_dir: str, models: list[str], parameters: dict[str, dict[str, str]] | None = None,
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 240):
+        self.repo_dir, self.models = repo_dir, models
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout_s = ready_timeout_s
+        for name in models:
+            src, dst = os.path.join(ROOT, "model_repository", name), os.path.join(repo_dir, name)
+            shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            path = os.path.join(dst, "config.pbtxt")
+            with open(path) as f:
+                text = set_parameters(f.read(), (parameters or {}).get(name, {}))
+            with open(path, "w") as f:
+                f.write(text)
+        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.log_path = os.path.join(repo_dir, "tritonserver.log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cmd = [TRITONSERVER, "--model-repository", self.repo_dir, "--grpc-port", str(self.grpc_port),
+               "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
+               "--exit-timeout-secs", "10"]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.time() + self.ready_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
+            if self._ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s}s:\n{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://localhost:{self.http_port}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None and self._ready()
+
+    def log_tail(self, lines: int = 60) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    # ---- metrics -------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Tandem's gauges and counters: {'tandem_kv_pages_free{model="llm"}': 512.0, ...}."""
+        with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("tandem_"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def kv_pages(self, model: str) -> tuple[float, float]:
+        m = self.metrics()
+        return m[f'tandem_kv_pages_free{{model="{model}"}}'], m[f'tandem_kv_pages_total{{model="{model}"}}']
+
+    def wait_kv_full(self, model: str, timeout_s: float = 10) -> bool:
+        """True once every KV page of the model is free again."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            free, total = self.kv_pages(model)
+            if free == total:
+                return True
+            time.sleep(0.1)
+        return False

@@ -1,0 +1,125 @@
+"""The engine loop on a tiny checkpoint: preemption, aborts, failures and
+sampling options; the KV pool is whole after every scenario."""
+import threading
+
+import pytest
+
+from backends.engine import InvalidRequest
+from backends.request import SamplingParams
+from tests.engine_utils import collect, small_engine, token_ids
+from tests.test_model_parity import prompts
+
+GREEDY = SamplingParams(max_tokens=24, min_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    eng = small_engine(checkpoint("llama"))
+    yield eng
+    eng.stop()
+
+
+def assert_pool_whole(engine):
+    engine.runner.pool.check_integrity()
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_preemption_keeps_outputs_exact(checkpoint, engine):
+    batch = prompts(6)
+    expected = [token_ids(o) for o in collect(engine, batch, GREEDY)]
+    tight = small_engine(checkpoint("llama"), num_pages=30)  # 120 token slots for ~300 tokens of work
+    try:
+        got = [token_ids(o) for o in collect(tight, batch, GREEDY)]
+        assert tight.stats()["preemptions"] > 0
+        assert_pool_whole(tight)
+    finally:
+        tight.stop()
+    assert got == expected
+
+
+def test_abort_mid_decode_frees_kv(engine):
+    started = threading.Event()
+    outs = []
+
+    def sink(o):
+        outs.append(o)
+        started.set()
+    rid = engine.generate(prompts(2)[1], SamplingParams(max_tokens=400, min_tokens=400), sink)
+    assert started.wait(30)
+    engine.abort(rid)
+    for _ in range(100):
+        if outs[-1].finished:
+            break
+        threading.Event().wait(0.05)
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert len(token_ids(outs)) < 400
+    assert_pool_whole(engine)
+
+
+def test_failed_step_ends_its_requests_and_engine_goes_on(engine, monkeypatch):
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(batch, hook=None):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real_run(batch, hook)
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    [outs] = collect(engine, [prompts(1)[0]], GREEDY)
+    assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
+    assert_pool_whole(engine)
+    [again] = collect(engine, [prompts(1)[0]], GREEDY)
+    assert again[-1].finish_reason == "length" and len(token_ids(again)) == 24
+
+
+def test_finish_reasons_end_id_and_min_tokens(engine):
+    p = prompts(1)[0]
+    greedy = token_ids(collect(engine, [p], GREEDY)[0])
+    end = greedy[5]
+    first = greedy.index(end)
+    [outs] = collect(engine, [p], SamplingParams(max_tokens=24, end_id=end))
+    assert outs[-1].finish_reason == "stop" and token_ids(outs) == greedy[:first + 1]
+    [outs] = collect(engine, [p], SamplingParams(max_tokens=24, end_id=end, min_tokens=first + 2))
+    assert len(token_ids(outs)) > first + 1
+    [outs] = collect(engine, [p], SamplingParams(max_tokens=3))
+    assert outs[-1].finish_reason == "length" and len(token_ids(outs)) == 3
+    assert outs[-1].num_output_tokens == 3 and outs[-1].num_prompt_tokens == len(p)
+
+
+def test_stop_string_ends_the_request(engine):
+    p = prompts(1)[0]
+    full = collect(engine, [p], GREEDY)[0]
+    text = "".join(o.text for o in full)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    [outs] = collect(engine, [p], SamplingParams(max_tokens=24, stop=(stop,)))
+    got = "".join(o.text for o in outs)
+    assert outs[-1].finish_reason == "stop" and got == text[:text.index(stop)]
+
+
+def test_sampling_seed_top_k_top_p(engine):
+    p = prompts(1)[0]
+    sampled = lambda **kw: token_ids(collect(engine, [p], SamplingParams(max_tokens=16, temperature=1.0, **kw))[0])
+    assert sampled(seed=7) == sampled(seed=7)
+    assert sampled(seed=7) != sampled(seed=8)
+    greedy = token_ids(collect(engine, [p], SamplingParams(max_tokens=16))[0])
+    assert sampled(seed=3, top_k=1) == greedy
+    assert sampled(seed=3, top_p=1e-6) == greedy  # the nucleus is the top token alone
+
+
+def test_bad_prompts_are_refused(engine):
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.generate([], GREEDY, lambda o: None)
+    with pytest.raises(InvalidRequest, match="context"):
+        engine.generate([5] * engine.max_context, GREEDY, lambda o: None)
+    assert_pool_whole(engine)
+
+
+def test_output_stops_at_the_context_limit(checkpoint):
+    eng = small_engine(checkpoint("llama"), max_context=40)
+    try:
+        [outs] = collect(eng, [prompts(4)[3][:30]], SamplingParams(max_tokens=100, min_tokens=100))
+        assert outs[-1].finish_reason == "length" and len(token_ids(outs)) == 10
+        assert_pool_whole(eng)
+    finally:
+        eng.stop()

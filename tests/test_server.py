@@ -1,0 +1,134 @@
+"""Through a real tritonserver and real gRPC: the `llm` model on the default
+checkpoint against transformers, cancellation, bad input."""
+import concurrent.futures
+import queue
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from client.stream import StreamResult, absorb, build_inputs, stream_events, stream_generate
+
+pytestmark = pytest.mark.server
+PROMPTS = ["What is the capital of France?", "Écris une phrase sur le café crème.",
+           "東京について一文で説明してください。", "Describe this emoji: 🚀🙂", "List three colors:"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def hf(default_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(default_model)
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+
+    def greedy_text(prompt: str, chat: bool = True, max_tokens: int = MAX_TOKENS) -> str:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
+            if chat else tok(prompt).input_ids
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.eos_token_id)
+        return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    return greedy_text
+
+
+def test_france_is_answered_with_paris(llm_server):
+    result = stream_generate(llm_server.grpc_url, "llm", PROMPTS[0], max_tokens=MAX_TOKENS, chat=True)
+    assert result.error is None and "Paris" in result.text
+
+
+def test_concurrent_streams_equal_transformers(llm_server, hf):
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: stream_generate(llm_server.grpc_url, "llm", p, max_tokens=MAX_TOKENS,
+                                                          chat=True), PROMPTS))
+    for prompt, result in zip(PROMPTS, results):
+        assert result.error is None
+        assert len(result.pieces) > 1, "streaming must send more than one response"
+        # An output cut by max_tokens inside a multi-byte character ends before it
+        # (the stream never carries U+FFFD); transformers' decode shows the fragment.
+        assert result.text == hf(prompt).rstrip("\ufffd"), prompt
+    assert llm_server.wait_kv_full("llm")
+
+
+def test_non_streaming_and_raw_prompt(llm_server, hf):
+    result = stream_generate(llm_server.grpc_url, "llm", "The capital of Italy is", max_tokens=12,
+                             stream=False, chat=False)
+    assert result.error is None and len(result.pieces) == 1
+    assert result.text == hf("The capital of Italy is", chat=False, max_tokens=12)
+    assert result.num_output_tokens == len(result.token_ids) <= 12
+
+
+def test_sampling_parameters_json(llm_server):
+    sp = np.array([b'{"max_tokens":"6","min_tokens":"6","temperature":"0.7","seed":"1"}'], dtype=np.object_)
+    result = stream_generate(llm_server.grpc_url, "llm", "Once upon a time", chat=False, sampling_parameters=sp)
+    assert result.error is None and len(result.token_ids) == 6 and result.finish_reason == "length"
+
+
+def test_cancel_mid_stream_frees_kv(llm_server):
+    import tritonclient.grpc as grpcclient
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(llm_server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    inputs = build_inputs("Tell me a very long story.", max_tokens=500, chat=True,
+                          min_tokens=np.array([500], dtype=np.int32))
+    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = events.get(timeout=60)
+        assert error is None
+    free, total = llm_server.kv_pages("llm")
+    assert free < total  # the request holds KV while it streams
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert llm_server.wait_kv_full("llm", timeout_s=10)
+    assert stream_generate(llm_server.grpc_url, "llm", "Hi", max_tokens=4).error is None
+
+
+def raw_request(url, tensors: dict) -> StreamResult:
+    """Send exactly these tensors (no defaults added)."""
+    import tritonclient.grpc as grpcclient
+    inputs = []
+    for name, (dtype, array) in tensors.items():
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        inputs.append(t)
+    result = StreamResult()
+    for error, outputs in stream_events(url, "llm", inputs, timeout_s=60):
+        if error:
+            result.error = error
+            break
+        absorb(result, outputs)
+    return result
+
+
+TEXT = ("BYTES", np.array([b"hello"], dtype=np.object_))
+BAD = {
+    "missing prompt": ({"max_tokens": ("INT32", np.array([4], dtype=np.int32))}, "text_input"),
+    "empty prompt": ({"text_input": ("BYTES", np.array([b""], dtype=np.object_))}, "empty"),
+    "wrong type": ({"text_input": TEXT, "max_tokens": ("FP32", np.array([4.0], dtype=np.float32))}, "data-type"),
+    "too long": ({"text_input": ("BYTES", np.array([b"hello " * 1100], dtype=np.object_))}, "context"),
+    "zero max_tokens": ({"text_input": TEXT, "max_tokens": ("INT32", np.array([0], dtype=np.int32))}, "max_tokens"),
+    "negative max_tokens": ({"text_input": TEXT, "max_tokens": ("INT32", np.array([-3], dtype=np.int32))},
+                            "max_tokens"),
+    "bad json": ({"text_input": TEXT, "sampling_parameters": ("BYTES", np.array([b"{oops"], dtype=np.object_))},
+                 "JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_a_clear_error(llm_server, case):
+    tensors, message = BAD[case]
+    result = raw_request(llm_server.grpc_url, tensors)
+    assert result.error is not None and message in result.error, result.error
+    assert llm_server.wait_kv_full("llm")
+    ok = stream_generate(llm_server.grpc_url, "llm", "Hi", max_tokens=3)
+    assert ok.error is None and ok.token_ids
+
+
+def test_client_cli(llm_server):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "client", "--url", llm_server.grpc_url, "--max-tokens", "24",
+                          "What is the capital of France?"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Paris" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "client", "--url", llm_server.grpc_url, "--model", "nope", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "nope" in bad.stderr

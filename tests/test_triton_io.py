@@ -1,0 +1,61 @@
+"""Request tensors -> engine request: every accepted form and every bad input."""
+import numpy as np
+import pytest
+
+from backends.engine import InvalidRequest
+from backends.triton_io import output_arrays, parse_request
+
+
+def getter(**tensors):
+    arrays = {k: (np.array([v.encode()], dtype=np.object_) if isinstance(v, str) else np.array([v]))
+              for k, v in tensors.items()}
+    return arrays.get
+
+
+def test_trtllm_style_inputs():
+    r = parse_request(getter(text_input="hi", max_tokens=np.int32(7), stream=True, temperature=np.float32(0.5),
+                             top_k=np.int32(5), top_p=np.float32(0.9), seed=np.uint64(3), min_length=np.int32(2),
+                             exclude_input_in_output=True, end_id=np.int32(9)), 16)
+    p = r.params
+    assert (r.prompt, r.stream, r.exclude_input) == ("hi", True, True)
+    assert (p.max_tokens, p.min_tokens, p.top_k, p.seed, p.end_id) == (7, 2, 5, 3, 9)
+    assert p.temperature == pytest.approx(0.5) and p.top_p == pytest.approx(0.9)
+
+
+def test_vllm_sampling_parameters_with_numbers_as_strings():
+    r = parse_request(getter(text_input="hi", sampling_parameters='{"max_tokens":"16","min_tokens":"16",'
+                             '"temperature":"0","stop":["\\n"],"ignore_eos":"true"}'), 4)
+    assert (r.params.max_tokens, r.params.min_tokens, r.params.stop, r.params.ignore_eos) == (16, 16, ("\n",), True)
+
+
+def test_defaults():
+    r = parse_request(getter(text_input="hi"), 33)
+    assert (r.params.max_tokens, r.stream, r.exclude_input, r.chat, r.params.greedy) == (33, False, False, False, True)
+
+
+def test_stop_words_tensor():
+    get = lambda name: {"text_input": np.array([b"x"], dtype=np.object_),
+                        "stop_words": np.array([b"a", b"", b"bc"], dtype=np.object_)}.get(name)
+    assert parse_request(get, 4).params.stop == ("a", "bc")
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({}, "missing input 'text_input'"),
+    ({"text_input": "  "}, "prompt .* is empty"),
+    ({"text_input": "x", "max_tokens": np.int32(0)}, "max_tokens must be >= 1"),
+    ({"text_input": "x", "max_tokens": np.int32(-5)}, "max_tokens must be >= 1"),
+    ({"text_input": "x", "sampling_parameters": "{bad json"}, "not valid JSON"),
+    ({"text_input": "x", "sampling_parameters": "[1]"}, "must be a JSON object"),
+    ({"text_input": "x", "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens must be a int"),
+    ({"text_input": "x", "top_p": np.float32(0)}, "top_p must be in"),
+    ({"text_input": "x", "temperature": np.float32(-1)}, "temperature must be >= 0"),
+])
+def test_bad_input_is_a_clear_error(tensors, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_request(getter(**tensors), 16)
+
+
+def test_output_arrays_only_what_was_asked():
+    arrays = output_arrays("é", [1, 2], "stop", 3, 2, ("text_output", "output_ids"))
+    assert set(arrays) == {"text_output", "output_ids"}
+    assert arrays["text_output"][0].decode() == "é" and arrays["output_ids"].tolist() == [1, 2]
