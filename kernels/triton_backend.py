@@ -1,0 +1,92 @@
+"""Paged attention with the Triton kernels of kernels.triton_kernels.
+
+plan() turns the batch's metadata into a few small int32 tensors on the cache's
+device (kv_lens, cu_seqlens of q, which sequences decode and which extend), so
+every layer launches at most three kernels with no host work: the split-KV
+decode (two phases) for the q_len 1 sequences and the varlen extend kernel for
+the others. On CPU the kernels only run under TRITON_INTERPRET=1 (tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kernels import triton_kernels as tk
+from kernels.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class TritonPlan:
+    meta: AttentionMetadata
+    page_table: torch.Tensor   # [B, max_pages] int32, last stride 1
+    kv_lens: torch.Tensor      # [B] int32
+    cu_q: torch.Tensor         # [B + 1] int32: first row in q of every sequence
+    dec_rows: torch.Tensor     # [Bd] int32: row in q of every decode
+    dec_seqs: torch.Tensor     # [Bd] int32: its sequence
+    max_dec_kv: int
+    ext_seqs: torch.Tensor     # [Be] int32: sequences with q_len > 1
+    max_ext_q: int
+
+
+@lru_cache(maxsize=None)
+def _target_programs(device: torch.device) -> int:
+    """Programs a decode launch should have to fill the device: 2 per SM on a GPU;
+    1 elsewhere (the CPU interpreter runs programs one by one, so splitting only costs)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None, block_n: int = 32, block_m: int = 32):
+        """num_splits forces the decode split count (tests); None picks it per batch."""
+        self.num_splits = num_splits
+        self.block_n = block_n
+        self.block_m = block_m
+
+    def plan(self, meta: AttentionMetadata) -> TritonPlan:
+        dev = meta.page_table.device
+        cu_q, dec_rows, dec_seqs, ext_seqs = [0], [], [], []
+        for i, q_len in enumerate(meta.q_lens):
+            if q_len == 1:
+                dec_rows.append(cu_q[-1])
+                dec_seqs.append(i)
+            elif q_len > 1:
+                ext_seqs.append(i)
+            cu_q.append(cu_q[-1] + q_len)
+
+        def ints(xs):
+            return torch.tensor(xs, dtype=torch.int32, device=dev)
+
+        return TritonPlan(
+            meta=meta, page_table=meta.page_table.to(torch.int32).contiguous(),
+            kv_lens=ints(meta.kv_lens), cu_q=ints(cu_q),
+            dec_rows=ints(dec_rows), dec_seqs=ints(dec_seqs),
+            max_dec_kv=max((meta.kv_lens[i] for i in dec_seqs), default=0),
+            ext_seqs=ints(ext_seqs),
+            max_ext_q=max((meta.q_lens[i] for i in ext_seqs), default=0))
+
+    def store_kv(self, k, v, k_cache, v_cache, plan: TritonPlan) -> None:
+        tk.store_kv(k, v, k_cache, v_cache, plan.meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, plan: TritonPlan, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if plan.dec_rows.numel():
+            tk.paged_decode(q, k_cache, v_cache, plan.page_table, plan.kv_lens, plan.dec_rows,
+                            plan.dec_seqs, plan.max_dec_kv, scale, out,
+                            num_splits=self._num_splits(plan, k_cache), block_n=self.block_n)
+        if plan.ext_seqs.numel():
+            tk.paged_extend(q, k_cache, v_cache, plan.page_table, plan.kv_lens, plan.cu_q,
+                            plan.ext_seqs, plan.max_ext_q, scale, out,
+                            block_m=self.block_m, block_n=self.block_n)
+        return out
+
+    def _num_splits(self, plan: TritonPlan, k_cache: torch.Tensor) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        return tk.decode_num_splits(plan.dec_rows.numel(), k_cache.shape[2], plan.max_dec_kv,
+                                    self.block_n, _target_programs(k_cache.device))

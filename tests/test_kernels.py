@@ -1,0 +1,348 @@
+"""Attention kernels against references.
+
+* TorchAttention (kernels.torch_ref) against a naive dense per-sequence causal
+  attention, so the reference has its own check.
+* Every Triton kernel against TorchAttention / plain torch. Without CUDA they run
+  on CPU tensors under TRITON_INTERPRET=1 (set below, before triton is imported);
+  with CUDA the same tests run on the GPU (marked gpu).
+* FlashinferAttention against TorchAttention (gpu, skipped without flashinfer).
+
+Tolerances: fp32 1e-5 (abs and rel; 1e-4 on GPU, whose reductions run in another
+order); fp16 1e-2 and bf16 3e-2, both against the reference run in fp32 on the
+same (already rounded) inputs: the kernels round the softmax weights to the
+input dtype before P @ V, as flash attention does.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+from kernels.base import AttentionMetadata  # noqa: E402
+from kernels.torch_ref import TorchAttention  # noqa: E402
+from kernels import triton_kernels as tk  # noqa: E402
+from kernels.triton_backend import TritonAttention  # noqa: E402
+
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        not tk.INTERPRETED, reason="triton kernels were imported compiled: set TRITON_INTERPRET=1 first")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
+]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def tol(dtype, device):
+    return 1e-4 if dtype == torch.float32 and device == "cuda" else TOL[dtype]
+
+
+# --------------------------------------------------------------------------- batch building
+
+
+def make_meta(q_lens, kv_lens, page_size, num_pages, shared_prefix_pages=0, seed=0, device="cpu"):
+    """Metadata with random, non-contiguous page lists drawn from a pool of num_pages.
+
+    With shared_prefix_pages = n, the first two sequences read the same first n
+    pages (a shared prompt prefix); their new tokens must lie past those pages.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(kv / page_size) for kv in kv_lens]
+    free = torch.randperm(num_pages, generator=g).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    if shared_prefix_pages:
+        n = shared_prefix_pages
+        assert all(kv - q >= n * page_size for q, kv in zip(q_lens[:2], kv_lens[:2]))
+        tables[1][:n] = tables[0][:n]
+    return AttentionMetadata.build(q_lens, kv_lens, tables, page_size, device=device)
+
+
+def make_tensors(meta, num_pages, hq, hkv, dim, dtype, device, seed=0):
+    """q, k, v of the new tokens and a random [layers=2, 2, P, S, Hkv, D] engine buffer."""
+    g = torch.Generator().manual_seed(seed + 1)
+    t = meta.num_tokens
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    kv = rnd(2, 2, num_pages, meta.page_size, hkv, dim)
+    return rnd(t, hq, dim), rnd(t, hkv, dim), rnd(t, hkv, dim), kv
+
+
+def run_backend(backend, meta, q, k, v, kv, layer=1, scale=None):
+    """One layer's store + attend on a copy of the engine buffer: (out, buffer)."""
+    kv = kv.clone()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    plan = backend.plan(meta)
+    out = backend.forward(q, k, v, kv[layer, 0], kv[layer, 1], plan, scale)
+    return out, kv
+
+
+def check_against_reference(backend, meta, q, k, v, kv, device):
+    """Cache writes must match exactly; outputs within the dtype's tolerance of the
+    fp32 reference on the same inputs."""
+    out, kv_out = run_backend(backend, meta, q, k, v, kv)
+    ref_out, ref_kv = run_backend(TorchAttention(), meta, q.float(), k.float(), v.float(), kv.float())
+    assert torch.equal(kv_out.float(), ref_kv), "K/V cache writes differ"
+    assert out.dtype == q.dtype and out.shape == q.shape
+    t = tol(q.dtype, device)
+    torch.testing.assert_close(out.float(), ref_out, atol=t, rtol=t)
+
+
+# --------------------------------------------------------------------------- the reference itself
+
+
+def dense_attention(meta, q, k_cache, v_cache, scale):
+    """Per-sequence, per-token loop: gather each sequence's K/V by position, softmax
+    over positions <= the token's own. Slow and obvious."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    row = 0
+    for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+        pages = meta.page_table[i].long()
+        pos = torch.arange(kv_len)
+        ks = k_cache[pages[pos // meta.page_size], pos % meta.page_size]  # [L, Hkv, D]
+        vs = v_cache[pages[pos // meta.page_size], pos % meta.page_size]
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        for j in range(q_len):
+            n = kv_len - q_len + j + 1  # causal: positions 0 .. own position
+            w = torch.softmax(torch.einsum("hd,lhd->hl", q[row], ks[:n]).double() * scale, -1)
+            out[row] = torch.einsum("hl,lhd->hd", w, vs[:n].double()).to(q.dtype)
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("page_size,group", [(1, 1), (4, 2), (16, 4), (3, 8)])
+def test_torch_reference_matches_dense(page_size, group):
+    q_lens, kv_lens = [1, 6, 1, 9, 3], [13, 6, 1, 20, 40]
+    meta = make_meta(q_lens, kv_lens, page_size, num_pages=80, seed=page_size)
+    q, k, v, kv = make_tensors(meta, 80, 2 * group, 2, 16, torch.float64, "cpu")
+    out, kv_out = run_backend(TorchAttention(), meta, q, k, v, kv, scale=0.3)
+    slots = meta.slot_mapping
+    assert torch.equal(kv_out[1, 0].view(-1, 2, 16)[slots], k)
+    assert torch.equal(kv_out[0], kv[0]), "another layer was written"
+    ref = dense_attention(meta, q, kv_out[1, 0], kv_out[1, 1], 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_torch_reference_empty_batch():
+    meta = AttentionMetadata.build([], [], [], 16)
+    q = torch.zeros(0, 4, 16)
+    out, _ = run_backend(TorchAttention(), meta, q, torch.zeros(0, 2, 16), torch.zeros(0, 2, 16),
+                         torch.randn(2, 2, 4, 16, 2, 16))
+    assert out.shape == (0, 4, 16)
+
+
+# --------------------------------------------------------------------------- store_kv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv(device, dtype):
+    meta = make_meta([3, 1, 5], [3, 9, 21], page_size=4, num_pages=20, device=device)
+    _, k, v, kv = make_tensors(meta, 20, 4, 2, 24, dtype, device)
+    qkv = torch.cat([k, v, k], dim=1)  # k, v as strided views of a fused projection
+    k, v = qkv[:, :2], qkv[:, 2:4]
+    out = kv.clone()
+    tk.store_kv(k, v, out[1, 0], out[1, 1], meta.slot_mapping)
+    ref = kv.clone()
+    ref[1, 0].view(-1, 2, 24)[meta.slot_mapping] = k
+    ref[1, 1].view(-1, 2, 24)[meta.slot_mapping] = v
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_store_kv_skips_negative_slots(device):
+    kv = torch.zeros(2, 3, 4, 1, 16, device=device)  # [k/v, P, S, Hkv, D]
+    k = torch.ones(2, 1, 16, device=device)
+    tk.store_kv(k, k, kv[0], kv[1], torch.tensor([5, -1], device=device))
+    assert kv.sum().item() == 2 * 16 and kv[:, 1, 1].eq(1).all()
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size,group", [(1, 1), (16, 2), (1, 4), (16, 8)])
+def test_decode(device, page_size, group):
+    kv_lens = [1, 17, 40, 5]
+    meta = make_meta([1] * 4, kv_lens, page_size, num_pages=110, seed=group, device=device)
+    check_against_reference(TritonAttention(block_n=16), meta,
+                            *make_tensors(meta, 110, 2 * group, 2, 32, torch.float32, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_split_kv(device, num_splits):
+    """Long and short contexts in one batch: short ones get empty splits."""
+    meta = make_meta([1, 1, 1], [150, 3, 64], page_size=8, num_pages=40, seed=num_splits,
+                     device=device)
+    check_against_reference(TritonAttention(num_splits=num_splits, block_n=16), meta,
+                            *make_tensors(meta, 40, 8, 2, 16, torch.float32, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size,group", [(1, 1), (16, 4), (16, 8), (5, 2)])
+def test_extend_with_prefix(device, page_size, group):
+    """Prefill from scratch, chunked prefill over a cached prefix, odd lengths."""
+    q_lens, kv_lens = [7, 33, 2], [7, 50, 19]
+    meta = make_meta(q_lens, kv_lens, page_size, num_pages=90, seed=group, device=device)
+    check_against_reference(TritonAttention(block_m=16, block_n=16), meta,
+                            *make_tensors(meta, 90, 2 * group, 2, 16, torch.float32, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mixed_batch_shared_prefix(device, dtype):
+    """Decodes and extends in one batch; the first two share their first page."""
+    q_lens, kv_lens = [1, 4, 1, 9, 1], [21, 23, 2, 9, 35]
+    meta = make_meta(q_lens, kv_lens, 8, num_pages=24, shared_prefix_pages=1, device=device)
+    assert meta.page_table[0, 0] == meta.page_table[1, 0]
+    check_against_reference(TritonAttention(num_splits=2, block_m=16, block_n=16), meta,
+                            *make_tensors(meta, 24, 4, 1, 32, dtype, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches(device, seed):
+    """Random mixes of decodes, fresh prefills and chunks over a prefix, with random
+    page size, GQA ratio, head dim and decode split count."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def pick(xs):
+        return xs[torch.randint(len(xs), (1,), generator=g).item()]
+
+    q_lens, kv_lens = [], []
+    for _ in range(pick([1, 2, 3, 5])):
+        kind, kv = pick(["decode", "prefill", "chunk"]), pick([1, 2, 9, 16, 17, 31, 48])
+        q = {"decode": 1, "prefill": kv, "chunk": max(1, kv // 3)}[kind]
+        q_lens.append(q)
+        kv_lens.append(kv)
+    hkv = pick([1, 2, 3])
+    page_size, group, dim = pick([1, 3, 16]), pick([1, 2, 4, 8]), pick([16, 24, 32])
+    pool = sum(math.ceil(kv / page_size) for kv in kv_lens) + 3
+    meta = make_meta(q_lens, kv_lens, page_size, pool, seed=seed, device=device)
+    backend = TritonAttention(num_splits=pick([1, 2, 4]), block_m=16, block_n=16)
+    check_against_reference(backend, meta,
+                            *make_tensors(meta, pool, hkv * group, hkv, dim, torch.float32, device,
+                                          seed=seed), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_head_dim_not_power_of_two(device):
+    meta = make_meta([1, 6], [12, 6], 4, num_pages=8, device=device)
+    check_against_reference(TritonAttention(num_splits=2, block_m=16, block_n=16), meta,
+                            *make_tensors(meta, 8, 6, 2, 40, torch.float32, device), device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_q(device):
+    """q as a view of a fused qkv projection: only its last stride is 1."""
+    meta = make_meta([1, 3], [7, 3], 4, num_pages=6, device=device)
+    q, k, v, kv = make_tensors(meta, 6, 4, 2, 16, torch.float32, device)
+    q = torch.cat([q, k, v], dim=1)[:, :4]
+    assert not q.is_contiguous()
+    check_against_reference(TritonAttention(block_m=16, block_n=16), meta, q, k, v, kv, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    meta = AttentionMetadata.build([], [], [], 16, device=device)
+    kv = torch.randn(2, 2, 4, 16, 2, 16, device=device)
+    empty = torch.zeros(0, 2, 16, device=device)
+    out, kv_out = run_backend(TritonAttention(), meta, torch.zeros(0, 4, 16, device=device),
+                              empty, empty, kv)
+    assert out.shape == (0, 4, 16) and torch.equal(kv_out, kv)
+
+
+def test_shape_errors_name_expected_and_got():
+    k_cache = torch.zeros(4, 2, 2, 16)
+    with pytest.raises(ValueError, match=r"expected \(3, 2, 16\), got \(3, 2, 8\)"):
+        tk.store_kv(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), k_cache, k_cache.clone(),
+                     torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="v_cache"):
+        tk.store_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), k_cache, torch.zeros(4, 2, 2, 8),
+                    torch.zeros(3, dtype=torch.long))
+    rows = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q: expected"):
+        tk.paged_decode(torch.zeros(1, 3, 16), k_cache, k_cache, torch.zeros(1, 1, dtype=torch.int32),
+                        rows, rows, rows, 1, 1.0, torch.zeros(1, 3, 16))
+
+
+def test_decode_num_splits():
+    # Few long sequences on a 132-SM GPU: split; many sequences or short contexts: don't.
+    assert tk.decode_num_splits(1, 8, 32768, 32, target_programs=264) == 33
+    assert tk.decode_num_splits(256, 8, 32768, 32, target_programs=264) == 1
+    assert tk.decode_num_splits(1, 8, 300, 32, target_programs=264) == 2
+    assert tk.decode_num_splits(4, 8, 0, 32, target_programs=264) == 1
+
+
+# --------------------------------------------------------------------------- RMSNorm, rotary
+
+
+def rms_norm_ref(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 48), (torch.float16, 64)])
+def test_rms_norm(device, dtype, hidden):
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(2, 3, hidden, generator=g).to(dtype).to(device) for _ in range(2))
+    w = torch.randn(hidden, generator=g).to(dtype).to(device)
+    t = tol(dtype, device)
+    torch.testing.assert_close(tk.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=t, rtol=t)
+    out, res = tk.rms_norm(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(res, x + r, atol=t, rtol=t)
+    torch.testing.assert_close(out, rms_norm_ref(x.float() + r.float(), w, 1e-6).to(dtype),
+                               atol=t, rtol=t)
+
+
+def rotate_half_ref(x, positions, cos, sin):
+    """Hugging Face Llama: x * cos + rotate_half(x) * sin, cos/sin repeated twice."""
+    c = torch.cat([cos, cos], -1)[positions][:, None]
+    s = torch.cat([sin, sin], -1)[positions][:, None]
+    x1, x2 = x.float().chunk(2, -1)
+    return (x.float() * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 16), (torch.bfloat16, 24)])
+def test_rotary(device, dtype, dim):
+    cos, sin = tk.rope_cos_sin(64, dim, device=device)
+    x = torch.randn(5, 3, dim).to(dtype).to(device)
+    pos = torch.tensor([0, 7, 7, 63, 2], device=device)
+    t = tol(dtype, device)
+    torch.testing.assert_close(tk.rotary(x, pos, cos, sin), rotate_half_ref(x, pos, cos, sin),
+                               atol=t, rtol=t)
+
+
+# --------------------------------------------------------------------------- flashinfer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_FLASHINFER, reason="needs CUDA and flashinfer")
+@pytest.mark.parametrize("q_lens,kv_lens", [([1, 1, 1], [1, 100, 37]), ([1, 5, 1, 17], [33, 40, 2, 17])])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer(q_lens, kv_lens, group, dtype):
+    from kernels.flashinfer_backend import FlashinferAttention
+
+    meta = make_meta(q_lens, kv_lens, 16, num_pages=40, device="cuda")
+    check_against_reference(FlashinferAttention("cuda"), meta,
+                            *make_tensors(meta, 40, 2 * group, 2, 128, dtype, "cuda"), "cuda")
+
+
+def test_flashinfer_refuses_cpu():
+    from kernels.flashinfer_backend import FlashinferAttention
+
+    with pytest.raises(RuntimeError, match="CUDA"):
+        FlashinferAttention("cpu")
