@@ -1,0 +1,1 @@
+"""Disaggregated prefill/decode: moving KV pages between engine processes (NIXL)."""
