@@ -346,3 +346,23 @@ def test_flashinfer_refuses_cpu():
 
     with pytest.raises(RuntimeError, match="CUDA"):
         FlashinferAttention("cpu")
+
+
+def test_serving_greedy_identical_torch_and_triton(checkpoint):
+    """The whole engine on a tiny checkpoint: the triton backend (interpreter on
+    CPU) streams exactly the torch backend's greedy tokens."""
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine, token_ids
+    from tests.test_model_parity import prompts
+
+    batch = prompts(3)
+    params = SamplingParams(max_tokens=12, min_tokens=12)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = small_engine(checkpoint("qwen3"), attention_backend=backend)
+        assert engine.runner.attention_backend == backend
+        try:
+            results[backend] = [token_ids(o) for o in collect(engine, batch, params, timeout_s=600)]
+        finally:
+            engine.stop()
+    assert results["triton"] == results["torch"]
