@@ -24,11 +24,11 @@ def _cpu_count() -> int:
 class EngineConfig:
     model_path: str = field(default=DEFAULT_MODEL_DIR, metadata={
         "doc": "Hugging Face checkpoint directory; TANDEM_MODEL_PATH overrides it"})
-    role: str = field(default="colocated", metadata={"doc": "colocated | prefill | decode"})
-    device: str = field(default="auto", metadata={"doc": "auto (cuda if present, else cpu) | cpu | cuda[:N]"})
-    dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16 | float16"})
+    role: str = field(default="colocated", metadata={"doc": "colocated, prefill or decode (set by each model)"})
+    device: str = field(default="auto", metadata={"doc": "auto (cuda if present, else cpu), cpu, cuda or cuda:N"})
+    dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu), float32, bfloat16 or float16"})
     attention_backend: str = field(default="auto", metadata={
-        "doc": "auto (flashinfer on a GPU where it imports, else torch) | torch | triton | flashinfer"})
+        "doc": "auto (flashinfer on a GPU where it imports, else torch), torch, triton or flashinfer"})
     page_size: int = field(default=16, metadata={"doc": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={
         "doc": "KV pages in the pool; 0 = enough for max_running_requests full contexts, capped by kv_memory_gb"})

@@ -51,19 +51,21 @@ class Engine:
         return self.tokenizer(prompt, add_special_tokens=True).input_ids
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
-                     sink: Callable[[RequestOutput], None], request_id: str | None = None) -> Request:
+                     sink: Callable[[RequestOutput], None], request_id: str | None = None,
+                     room: int | None = None) -> Request:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                  f"{self.max_context} tokens (prompt + output)")
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 sink: Callable[[RequestOutput], None], request_id: str | None = None) -> str:
+                 sink: Callable[[RequestOutput], None], request_id: str | None = None,
+                 room: int | None = None) -> str:
         """Queue a request; outputs go to `sink` from the engine thread. Returns its id."""
-        req = self.make_request(prompt_ids, params, sink, request_id)
+        req = self.make_request(prompt_ids, params, sink, request_id, room)
         self.scheduler.submit(req)
         return req.id
 
@@ -91,3 +93,4 @@ class Engine:
         self.scheduler.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.scheduler.role.close()

@@ -61,6 +61,7 @@ class RequestOutput:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFERRING = "transferring"  # held by a role: waiting for KV (decode) or shipping it (prefill)
     FINISHED = "finished"
 
 
@@ -69,7 +70,8 @@ _arrival = itertools.count()
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 sink: Callable[[RequestOutput], None], detokenizer: IncrementalDetokenizer):
+                 sink: Callable[[RequestOutput], None], detokenizer: IncrementalDetokenizer,
+                 room: int | None = None):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -82,6 +84,11 @@ class Request:
         self.arrival = next(_arrival)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.emitted_ids = 0   # output tokens already sent to the sink
+        self.last_logprob = 0.0
+        # disaggregated hand-off: the bootstrap room pairs the prefill and decode halves
+        self.room = room
+        self.meta_slot: int | None = None
+        self.admitted_at = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,10 @@ class ColocatedRole:
     def attach(self, scheduler: "Scheduler") -> None:
         pass
 
+    def admit(self, req: Request) -> bool:
+        """Return True when the role holds a new request itself (else it waits to be scheduled)."""
+        return False
+
     def advance(self) -> None:
         pass
 
@@ -43,9 +47,11 @@ class ColocatedRole:
     def on_abort(self, req: Request) -> None:
         pass
 
-    @property
-    def busy(self) -> bool:
-        return False
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
 
 
 class Scheduler:
@@ -82,8 +88,7 @@ class Scheduler:
         self.role.advance()
         batch = self.schedule()
         if batch is None:
-            if not self.role.busy:
-                self._wake.wait(wait_s)
+            self._wake.wait(wait_s)  # new requests, aborts and transfer events wake it early
             return False
         try:
             with torch.inference_mode():
@@ -104,7 +109,8 @@ class Scheduler:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 self.requests[item.id] = item
-                self.waiting.append(item)
+                if not self.role.admit(item):
+                    self.waiting.append(item)
             elif item in self.requests:
                 self.finish(self.requests[item], "abort")
 
@@ -226,4 +232,4 @@ class Scheduler:
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_pages_free": self.pool.num_free, "kv_pages_total": self.pool.num_pages,
-                "preemptions": self.num_preemptions}
+                "preemptions": self.num_preemptions, **self.role.stats()}

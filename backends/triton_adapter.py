@@ -16,7 +16,7 @@ import threading
 from backends.config import EngineConfig
 from backends.engine import Engine, InvalidRequest
 from backends.request import RequestOutput
-from backends.triton_io import OUTPUTS, GenerateRequest, output_arrays, parse_request
+from backends.triton_io import OUTPUTS, GenerateRequest, control_room, output_arrays, parse_request
 
 log = logging.getLogger("tandem.adapter")
 CANCEL_POLL_S = 0.02
@@ -75,6 +75,23 @@ class ResponseStream:
         self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
 
 
+def room_request_id(room: int) -> str:
+    return f"room-{room}"
+
+
+def make_role(role: str, params: dict[str, str]):
+    """The scheduler role of an engine model: None (colocated), prefill or decode."""
+    if role == "colocated":
+        return None
+    from backends.disagg.config import DisaggConfig
+    cfg = DisaggConfig.from_params(params)
+    if role == "prefill":
+        from backends.disagg.prefill import PrefillRole
+        return PrefillRole(cfg)
+    from backends.disagg.decode import DecodeRole
+    return DecodeRole(cfg)
+
+
 class EngineModel:
     """Base of the `llm`, `prefill` and `decode` models' TritonPythonModel."""
 
@@ -89,7 +106,7 @@ class EngineModel:
         self.engine.start()
         self.streams: dict[str, tuple[object, ResponseStream]] = {}
         self.lock = threading.Lock()
-        self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"))
+        self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="tandem-watch", daemon=True)
         self._watcher.start()
@@ -98,7 +115,7 @@ class EngineModel:
                  self.engine.runner.attention_backend, self.engine.runner.pool.num_pages, self.cfg.page_size)
 
     def create_engine(self) -> Engine:
-        return Engine(self.cfg)
+        return Engine(self.cfg, role=make_role(self.role, self.params))
 
     def execute(self, requests):
         for request in requests:
@@ -110,11 +127,21 @@ class EngineModel:
         try:
             get = lambda name: (t.as_numpy() if (t := self.pb.get_input_tensor_by_name(request, name)) is not None
                                 else None)
+            room = control_room(get)
+            if room is not None:
+                self.engine.abort(room_request_id(room))
+                sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
             req = parse_request(get, self.cfg.default_max_tokens)
+            if (req.room is None) != (self.role == "colocated"):
+                raise InvalidRequest(f"the {self.role} model {'needs' if req.room is None else 'takes no'} "
+                                     "bootstrap_room (send requests to `router` or `llm`)")
             ids = self.engine.tokenize(req.prompt, chat=req.chat)
             wanted = tuple(request.requested_output_names()) or OUTPUTS
             stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort)
-            engine_request = self.engine.make_request(ids, req.params, self._sink(stream))
+            engine_request = self.engine.make_request(
+                ids, req.params, self._sink(stream), room=req.room,
+                request_id=None if req.room is None else room_request_id(req.room))
         except InvalidRequest as exc:
             self._reject(sender, str(exc))
             return
@@ -165,12 +192,16 @@ class EngineMetrics:
         "kv_pages_total": "KV cache pages in the pool",
         "running": "requests in the running batch",
         "waiting": "requests waiting to be scheduled",
+        "kv_bytes_sent": "KV and metadata bytes written to decode engines (prefill)",
+        "transfer_failures": "requests whose KV hand-off failed",
+        "transferring": "requests waiting for their KV (decode)",
+        "quarantined_pages": "KV pages held until the prefill side confirms no write is in flight (decode)",
     }
 
-    def __init__(self, pb, model: str):
-        # A family must outlive its metrics, so both are kept.
+    def __init__(self, pb, model: str, stats: dict):
+        # A family must outlive its metrics, so both are kept; only this engine's stats get one.
         self.families = {key: pb.MetricFamily(name=f"tandem_{key}", description=doc, kind=pb.MetricFamily.GAUGE)
-                         for key, doc in self.GAUGES.items()}
+                         for key, doc in self.GAUGES.items() if key in stats}
         self.gauges = {key: family.Metric(labels={"model": model}) for key, family in self.families.items()}
 
     def update(self, stats: dict) -> None:

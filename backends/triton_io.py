@@ -39,6 +39,13 @@ class GenerateRequest:
     stream: bool
     exclude_input: bool
     chat: bool
+    room: int | None = None   # bootstrap room, set by the router for prefill and decode
+
+
+def control_room(get: Callable[[str], np.ndarray | None]) -> int | None:
+    """The room a `cancel_room` control request (router -> prefill/decode) aborts, if it is one."""
+    arr = get("cancel_room")
+    return None if arr is None else int(_scalar(arr, "cancel_room"))
 
 
 def _text(value) -> str:
@@ -106,9 +113,11 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     flag = lambda name, default: _bool(_scalar(get(name), name)) if get(name) is not None else default
+    room = get("bootstrap_room")
     return GenerateRequest(prompt=prompt, params=params, stream=flag("stream", False),
                            exclude_input=flag("exclude_input_in_output", False),
-                           chat=flag("apply_chat_template", False))
+                           chat=flag("apply_chat_template", False),
+                           room=None if room is None else int(_scalar(room, "bootstrap_room")))
 
 
 def output_arrays(text: str, token_ids: list[int], finish_reason: str | None,

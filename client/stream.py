@@ -24,8 +24,6 @@ class StreamResult:
 def build_inputs(prompt: str, max_tokens: int | None = None, stream: bool = True, chat: bool = False,
                  temperature: float | None = None, stop: list[str] | None = None, **extra):
     """tritonclient InferInputs for the `llm` / `router` tensor interface."""
-    import tritonclient.grpc as grpcclient
-
     values = {"text_input": np.array([prompt.encode()], dtype=np.object_),
               "stream": np.array([stream]), "exclude_input_in_output": np.array([True]),
               "apply_chat_template": np.array([chat])}
@@ -36,12 +34,17 @@ def build_inputs(prompt: str, max_tokens: int | None = None, stream: bool = True
     if stop:
         values["stop_words"] = np.array([s.encode() for s in stop], dtype=np.object_)
     values.update(extra)
+    return numpy_inputs(values)
+
+
+def numpy_inputs(values: dict[str, np.ndarray]):
+    """tritonclient InferInputs from numpy arrays, the Triton datatype read off each array."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
     inputs = []
     for name, array in values.items():
-        dtype = "BYTES" if array.dtype == np.object_ else {
-            np.dtype(bool): "BOOL", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-            np.dtype(np.uint64): "UINT64"}[array.dtype]
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs

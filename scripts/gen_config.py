@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from backends.config import EngineConfig  # noqa: E402
+from backends.disagg.config import DisaggConfig  # noqa: E402
 
 INPUTS = [  # name, type, dims, optional
     ("text_input", "TYPE_STRING", "[ 1 ]", False),
@@ -30,6 +31,18 @@ INPUTS = [  # name, type, dims, optional
     ("apply_chat_template", "TYPE_BOOL", "[ 1 ]", True),
     ("sampling_parameters", "TYPE_STRING", "[ 1 ]", True),
 ]
+ROOM_INPUTS = [  # set by the router only
+    ("bootstrap_room", "TYPE_UINT64", "[ 1 ]", True),
+    ("cancel_room", "TYPE_UINT64", "[ 1 ]", True),
+]
+ROUTER_PARAMETERS = {
+    "prefill_url": "",      # "" = the prefill model of this server (BLS); host:port = a remote tritonserver (gRPC)
+    "prefill_model": "prefill",
+    "decode_url": "",
+    "decode_model": "decode",
+    "default_max_tokens": "256",
+    "max_threads": "512",
+}
 OUTPUTS = [
     ("text_output", "TYPE_STRING", "[ 1 ]"),
     ("output_ids", "TYPE_INT32", "[ -1 ]"),
@@ -62,22 +75,45 @@ def engine_parameters(role: str) -> dict[str, str]:
         if f.name == "role":
             continue
         params[f.name] = "" if f.name == "model_path" else str(f.default)
+    if role != "colocated":
+        for f in dataclasses.fields(DisaggConfig):
+            params[f.name] = str(f.default)
+        if role == "decode":
+            params["nixl_port"] = "0"
     return params
 
 
-def engine_model(name: str, role: str, extra: dict[str, str] | None = None) -> str:
-    text = HEADER + f"# role: {role}; model_path \"\" = models/SmolLM2-135M-Instruct; TANDEM_MODEL_PATH overrides it.\n"
+def model_header(name: str, comment: str) -> str:
+    text = HEADER + f"# {comment}\n"
     text += f"name: \"{name}\"\nbackend: \"python\"\nmax_batch_size: 0\n"
-    text += "model_transaction_policy { decoupled: true }\n"
+    return text + "model_transaction_policy { decoupled: true }\n"
+
+
+def engine_model(name: str, role: str) -> str:
+    text = model_header(name, f"role: {role}; model_path \"\" = models/SmolLM2-135M-Instruct; "
+                              "TANDEM_MODEL_PATH overrides it.")
+    inputs = INPUTS + (ROOM_INPUTS if role != "colocated" else [])
+    text += tensor_block("input", inputs) + tensor_block("output", OUTPUTS)
+    text += "instance_group [ { count: 1, kind: KIND_CPU } ]\n"
+    return text + parameter_block(engine_parameters(role))
+
+
+def router_model() -> str:
+    text = model_header("router", "BLS entry point of the disaggregated path; same tensors as llm. "
+                                  "prefill_url / decode_url: host:port of a remote tritonserver, \"\" = this one.")
     text += tensor_block("input", INPUTS) + tensor_block("output", OUTPUTS)
     text += "instance_group [ { count: 1, kind: KIND_CPU } ]\n"
-    return text + parameter_block({**engine_parameters(role), **(extra or {})})
+    return text + parameter_block(ROUTER_PARAMETERS)
 
 
 def main() -> None:
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_repository")
-    with open(os.path.join(root, "llm", "config.pbtxt"), "w") as f:
-        f.write(engine_model("llm", "colocated"))
+    configs = {"llm": engine_model("llm", "colocated"), "prefill": engine_model("prefill", "prefill"),
+               "decode": engine_model("decode", "decode"), "router": router_model()}
+    for name, text in configs.items():
+        os.makedirs(os.path.join(root, name, "1"), exist_ok=True)
+        with open(os.path.join(root, name, "config.pbtxt"), "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def test_genai_perf(llm_server, default_model, tmp_path, backend):
                           "--synthetic-input-tokens-mean", "16", "--output-tokens-mean", str(TOKENS),
                           "--output-tokens-mean-deterministic", "--concurrency", "2", "--request-count", "4",
                           "--warmup-request-count", "0", "--artifact-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})  # it runs perf_analyzer
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [run_dir] = [d for d in tmp_path.iterdir() if d.is_dir() and d.name.startswith("llm-")]
     counts = server_counts(str(run_dir / "profile_export.json"))

@@ -1,0 +1,202 @@
+"""The decode role: requests reserve KV here, have the prefill engine write
+their prompt's KV into it, then join the running decode batch without a
+forward (a prebuilt batch: the first token comes from the metadata).
+
+    prealloc (handshake, wait for KV) -> transfer (wait for `done`)
+        -> prebuilt (first token from the metadata) -> running
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from backends.disagg import protocol
+from backends.disagg.config import DisaggConfig
+from backends.disagg.prefill import prefill_agent_name
+from backends.disagg.transport import KVTransport
+from backends.disagg.worker import TransferWorker
+from backends.request import Request, Status
+
+log = logging.getLogger("tandem.decode")
+PING_S = 0.5
+
+
+class DecodeRole:
+    def __init__(self, cfg: DisaggConfig):
+        self.cfg = cfg
+        self.host, self.port = cfg.prefill_host_port
+        self.peer = prefill_agent_name(self.port)
+        self.peer_state = "new"        # new | connecting | ready | failed
+        self.peer_error = ""
+        self.prealloc: list[Request] = []
+        self.transfer: dict[int, Request] = {}            # room -> request whose KV is on its way
+        self.quarantine: dict[int, tuple[list[int], int, float]] = {}  # room -> (pages, slot, since)
+        self.last_ping = 0.0
+        self.num_failed = 0
+
+    def attach(self, scheduler) -> None:
+        self.scheduler, self.pool = scheduler, scheduler.pool
+        self.meta = protocol.new_meta_buffer(self.cfg.meta_slots)
+        self.slots = protocol.SlotPool(self.cfg.meta_slots)
+        transport = KVTransport(f"tandem-decode-{uuid.uuid4().hex[:8]}", scheduler.runner.kv, self.meta,
+                                listen_port=None)
+        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s)
+
+    def close(self) -> None:
+        self.worker.stop()
+
+    # ---- the loop's hooks ----------------------------------------------------------
+    def admit(self, req: Request) -> bool:
+        if req.room is None:
+            raise ValueError("a decode request needs a bootstrap room")
+        req.status = Status.TRANSFERRING
+        req.admitted_at = time.monotonic()
+        self.prealloc.append(req)
+        return True
+
+    def advance(self) -> None:
+        for event in self.worker.take_events():
+            self._on_event(*event)
+        if self.prealloc and self.peer_state in ("new", "failed"):
+            self._dial()
+        if self.peer_state == "ready":
+            self._allocate()
+        self._expire()
+        self._ping()
+
+    def on_sampled(self, req: Request) -> bool:
+        return False
+
+    def on_abort(self, req: Request) -> None:
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+        elif self.transfer.pop(req.room, None) is not None:
+            self._hold(req)
+            self.worker.send(self.peer, protocol.encode("abort", req.room), req.room)
+
+    def _hold(self, req: Request) -> None:
+        """Prefill may still write into these pages: keep them until it says released."""
+        self.quarantine[req.room] = (req.pages, req.meta_slot, time.monotonic())
+        req.pages, req.meta_slot = [], None
+
+    # ---- prealloc ------------------------------------------------------------------
+    def _dial(self) -> None:
+        self.peer_state = "connecting"
+        self.worker.connect(self.peer, self.host, self.port, self.cfg.handshake_timeout_s)
+
+    def _allocate(self) -> None:
+        while self.prealloc:
+            req = self.prealloc[0]
+            now, later = self._pages_needed(req)
+            if self.pool.num_free - self._reserved() < now + later:
+                return  # the head waits for KV; requests keep their order
+            slot = self.slots.take()
+            if slot is None:
+                return
+            self.prealloc.pop(0)
+            req.pages, req.meta_slot = self.pool.allocate(now), slot
+            self.meta[slot].zero_()
+            self.transfer[req.room] = req
+            self.worker.send(self.peer, protocol.encode("dest", req.room, pages=req.pages, slot=slot,
+                                                        prompt_len=len(req.prompt_ids)), req.room)
+
+    def _pages_needed(self, req: Request) -> tuple[int, int]:
+        """Pages for the prompt now, and the reserve for the tokens it will decode."""
+        now = self.pool.pages_for(len(req.prompt_ids))
+        future = min(req.params.max_tokens, self.cfg.decode_reserve_tokens)
+        return now, self.pool.pages_for(len(req.prompt_ids) + future) - now
+
+    def _reserved(self) -> int:
+        """KV that admitted requests will still claim for their decode reserve."""
+        total = 0
+        held = list(self.transfer.values()) + self.scheduler.running + list(self.scheduler.waiting)
+        for req in held:
+            left = min(req.params.max_tokens - len(req.output_ids), self.cfg.decode_reserve_tokens)
+            total += max(0, self.pool.pages_for(req.num_tokens + max(left, 0)) - len(req.pages))
+        return total
+
+    # ---- events from the transfer worker ---------------------------------------------
+    def _on_event(self, kind: str, *args) -> None:
+        if kind == "connected":
+            self.peer_state = "ready"
+        elif kind == "connect_failed":
+            self.peer_state, self.peer_error = "failed", args[1]
+            self._fail_all(f"prefill engine unreachable at {self.host}:{self.port}: {args[1]}", self.prealloc)
+        elif kind == "send_failed":
+            self.peer_state, self.peer_error = "failed", args[1]
+            self._fail_all(f"lost the prefill engine: {args[1]}", list(self.transfer.values()))
+        elif kind == "message":
+            self._on_message(*args)
+
+    def _on_message(self, peer: str, msg: dict) -> None:
+        room, kind = msg["room"], msg["kind"]
+        if kind == "released" or (kind in ("error", "done") and room in self.quarantine):
+            self._unquarantine(room)
+            return
+        req = self.transfer.get(room)
+        if req is None:
+            log.info("ignoring %s for unknown room %s", kind, room)
+        elif kind == "done":
+            self._prebuild(req)
+        elif kind == "error":
+            self._fail(req, msg.get("msg", "the prefill engine failed"))
+
+    def _prebuild(self, req: Request) -> None:
+        """KV and metadata have landed: join the running batch without a forward."""
+        del self.transfer[req.room]
+        room, token, logprob, prompt_len = protocol.read_meta_row(self.meta, req.meta_slot)
+        self.slots.give(req.meta_slot)
+        req.meta_slot = None
+        if room != req.room or prompt_len != len(req.prompt_ids):
+            self._fail(req, f"metadata mismatch: slot holds room {room} ({prompt_len} tokens), "
+                            f"expected room {req.room} ({len(req.prompt_ids)} tokens)")
+            return
+        req.num_computed = prompt_len
+        req.status = Status.RUNNING
+        self.scheduler.running.append(req)
+        self.scheduler.append_token(req, token, logprob, self.scheduler.stop_ids(req))
+
+    def _fail(self, req: Request, message: str) -> None:
+        self.num_failed += 1
+        self.transfer.pop(req.room, None)
+        if req.meta_slot is not None:
+            self.slots.give(req.meta_slot)
+            req.meta_slot = None
+        self.scheduler.finish(req, "error", error=message)
+
+    def _fail_all(self, message: str, requests: list[Request]) -> None:
+        for req in list(requests):
+            if req in self.prealloc:
+                self.prealloc.remove(req)
+            self._fail(req, message)
+
+    def _unquarantine(self, room: int) -> None:
+        pages, slot, _ = self.quarantine.pop(room)
+        self.pool.free(pages)
+        if slot is not None:
+            self.slots.give(slot)
+
+    def _expire(self) -> None:
+        now, limit = time.monotonic(), self.cfg.transfer_timeout_s
+        for req in [r for r in self.prealloc + list(self.transfer.values()) if now - r.admitted_at > limit]:
+            if req in self.prealloc:
+                self.prealloc.remove(req)
+            elif self.transfer.pop(req.room, None) is not None:
+                self._hold(req)
+                self.worker.send(self.peer, protocol.encode("abort", req.room), req.room)
+            self._fail(req, f"KV transfer not done within {limit:g}s")
+        for room, (_, _, since) in list(self.quarantine.items()):
+            if now - since > limit:  # the prefill side never answered: it is gone or stuck
+                self._unquarantine(room)
+
+    def _ping(self) -> None:
+        """While KV is on its way, notice a prefill engine that died (no message would come)."""
+        if self.transfer and self.peer_state == "ready" and time.monotonic() - self.last_ping > PING_S:
+            self.last_ping = time.monotonic()
+            self.worker.send(self.peer, protocol.encode("ping", 0), 0)
+
+    def stats(self) -> dict:
+        return {"prealloc": len(self.prealloc), "transferring": len(self.transfer),
+                "quarantined_pages": sum(len(p) for p, _, _ in self.quarantine.values()),
+                "transfer_failures": self.num_failed}

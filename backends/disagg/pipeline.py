@@ -1,0 +1,32 @@
+"""How many layers the prefill engine computes before it posts their KV writes.
+
+Short prompts have a high transfer-to-compute ratio, so they are cut into many
+groups (up to max_iters) to hide most of the transfer; long prompts are compute
+bound and a few groups (min_iters) hide it with less per-write overhead. The
+number of groups falls linearly between pipeline_min_tokens and saturation x
+that, and the group size is the layer count divided by it, so any depth works.
+Below pipeline_min_tokens the step writes its KV once, after the forward.
+"""
+from __future__ import annotations
+
+from backends.disagg.config import DisaggConfig
+
+
+def layer_group_size(num_layers: int, avg_tokens: float, cfg: DisaggConfig) -> int:
+    """Layers per group for a step, or 0 to write once after the forward."""
+    if cfg.pipeline == "off" or avg_tokens < cfg.pipeline_min_tokens:
+        return 0
+    if cfg.pipeline_group_size > 0:
+        return min(cfg.pipeline_group_size, num_layers)
+    lo, hi = cfg.pipeline_min_iters, cfg.pipeline_max_iters
+    saturated = cfg.pipeline_min_tokens * cfg.pipeline_saturation
+    t = min(max((avg_tokens - cfg.pipeline_min_tokens) / (saturated - cfg.pipeline_min_tokens), 0.0), 1.0)
+    iters = min(max(hi - t * (hi - lo), lo), hi)
+    return max(1, int(num_layers // iters))
+
+
+def layer_groups(num_layers: int, group_size: int) -> list[range]:
+    """The layer ranges written together; one range of every layer when group_size is 0."""
+    if group_size <= 0:
+        return [range(num_layers)]
+    return [range(s, min(s + group_size, num_layers)) for s in range(0, num_layers, group_size)]

@@ -1,0 +1,224 @@
+"""The prefill role: requests wait for their decode-side destination, run
+their prompt (chunked when long) in the normal loop, and write each layer
+group's KV into the decode engine's pages as soon as it is computed; the
+metadata follows the last write, then the request leaves this engine.
+
+    bootstrap (wait for `dest`) -> scheduler.waiting -> prefill steps
+        (layer hook: post KV writes per group) -> first token sampled
+        -> shipping (worker: KV done -> metadata write) -> finished, pages freed
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from backends.disagg import protocol
+from backends.disagg.config import DisaggConfig
+from backends.disagg.pipeline import layer_group_size, layer_groups
+from backends.disagg.transport import KVTransport
+from backends.disagg.worker import TransferWorker
+from backends.request import Request, Status
+from backends.runner import Batch
+
+log = logging.getLogger("tandem.prefill")
+
+
+def prefill_agent_name(port: int) -> str:
+    return f"tandem-prefill-{port}"
+
+
+class PrefillRole:
+    def __init__(self, cfg: DisaggConfig):
+        self.cfg = cfg
+        self.bootstrap: dict[int, Request] = {}         # room -> request waiting for its destination
+        self.dests: dict[int, tuple[str, dict, float]] = {}  # room -> (decode peer, dest msg, arrival)
+        self.shipping: dict[int, Request] = {}          # room -> request whose KV is on its way
+        self.sent_pages: dict[int, int] = {}            # room -> pages already queued for writing
+        self.bytes_shipped = 0
+        self.num_failed = 0
+        self.fallback_logged = False
+
+    def attach(self, scheduler) -> None:
+        self.scheduler = scheduler
+        self.meta = protocol.new_meta_buffer(self.cfg.meta_slots)
+        self.slots = protocol.SlotPool(self.cfg.meta_slots)
+        transport = KVTransport(prefill_agent_name(self.cfg.nixl_port), scheduler.runner.kv, self.meta,
+                                listen_port=self.cfg.nixl_port)
+        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s)
+        log.info("prefill NIXL agent %s listening on port %d", transport.name, transport.port)
+
+    def close(self) -> None:
+        self.worker.stop()
+
+    # ---- the loop's hooks ----------------------------------------------------------
+    def admit(self, req: Request) -> bool:
+        if req.room is None:
+            raise ValueError("a prefill request needs a bootstrap room")
+        req.status = Status.TRANSFERRING
+        self.bootstrap[req.room] = req
+        req.admitted_at = time.monotonic()
+        return True
+
+    def advance(self) -> None:
+        for event in self.worker.take_events():
+            self._on_event(*event)
+        for room in [r for r in self.bootstrap if r in self.dests]:
+            self._start(self.bootstrap.pop(room))
+        self._expire()
+
+    def on_sampled(self, req: Request) -> bool:
+        """First token sampled: stream it, then hand the request to the worker."""
+        self.scheduler.running.remove(req)
+        req.status = Status.TRANSFERRING
+        if req.output_ids[-1] not in self.scheduler.stop_ids(req):
+            req.detok.add(req.output_ids[-1])
+        self.scheduler.emit(req)
+        slot = self.slots.take()
+        if slot is None:
+            self.scheduler.finish(req, "error", error="no free metadata slot on the prefill engine")
+            return True
+        req.meta_slot = slot
+        protocol.write_meta_row(self.meta, slot, req.room, req.output_ids[-1], req.last_logprob,
+                                len(req.prompt_ids))
+        peer, dest, _ = self.dests[req.room]
+        self.shipping[req.room] = req
+        self.worker.finish(req.room, peer, slot, dest["slot"])
+        return True
+
+    def on_abort(self, req: Request) -> None:
+        self.bootstrap.pop(req.room, None)
+        dest = self.dests.pop(req.room, None)
+        if req.room in self.sent_pages or req.room in self.shipping:
+            # writes may still read these pages: keep them until the worker lets go
+            self.shipping[req.room] = req
+            req.held_pages, req.pages = req.pages, []
+            self.worker.cancel(req.room)
+        if dest is not None:
+            self.worker.send(dest[0], protocol.encode("error", req.room, msg="the prefill engine aborted the request"),
+                             req.room)
+
+    def layer_hook(self, batch: Batch):
+        """Post each layer group's KV writes as soon as the group is computed."""
+        plans = [p for p in (self._pages_to_send(req, n) for req, n in batch.items) if p]
+        if not plans:
+            return None
+        avg = batch.num_tokens / len(batch.items)
+        num_layers = self.scheduler.runner.model.cfg.num_layers
+        size = layer_group_size(num_layers, avg, self.cfg)
+        if size == 0 and not self.fallback_logged:
+            log.info("KV written after the forward for steps under %d tokens per request (pipeline=%s)",
+                     self.cfg.pipeline_min_tokens, self.cfg.pipeline)
+            self.fallback_logged = True
+        ends = {g.stop - 1: g for g in layer_groups(num_layers, size)}
+        on_gpu = self.scheduler.runner.device.type == "cuda"
+        trace = self.worker.trace
+
+        def after_layer(i: int) -> None:
+            if trace is not None:
+                trace.append(("layer", i, time.monotonic()))
+            group = ends.get(i)
+            if group is None:
+                return
+            if on_gpu:
+                torch.cuda.current_stream().synchronize()  # the KV must be in memory before NIXL reads it
+            for room, peer, local, remote in plans:
+                self.worker.write(room, peer, group, local, remote)
+        return after_layer
+
+    # ---- internals -----------------------------------------------------------------
+    def _pages_to_send(self, req: Request, n: int):
+        """Pages completed by this step (all remaining ones on the last chunk), each sent once."""
+        peer, dest, _ = self.dests[req.room]
+        end = req.num_computed + n
+        last = end >= len(req.prompt_ids)
+        upto = self.scheduler.pool.pages_for(end) if last else end // self.scheduler.pool.page_size
+        start = self.sent_pages.get(req.room, 0)
+        self.sent_pages[req.room] = max(start, upto)
+        if upto <= start:
+            return None
+        return req.room, peer, req.pages[start:upto], dest["pages"][start:upto]
+
+    def _start(self, req: Request) -> None:
+        peer, dest, _ = self.dests[req.room]
+        need = self.scheduler.pool.pages_for(len(req.prompt_ids))
+        problem = None
+        if dest.get("prompt_len") != len(req.prompt_ids):
+            problem = f"prompt length differs: {len(req.prompt_ids)} tokens here, {dest.get('prompt_len')} on decode"
+        elif len(dest.get("pages", [])) < need:
+            problem = f"decode gave {len(dest.get('pages', []))} pages, the prompt needs {need}"
+        if problem:
+            self.dests.pop(req.room)
+            self.worker.send(peer, protocol.encode("error", req.room, msg=f"prefill refused the room: {problem}"),
+                             req.room)
+            self.scheduler.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
+            return
+        req.status = Status.WAITING
+        self.scheduler.waiting.append(req)
+
+    def _on_event(self, kind: str, *args) -> None:
+        if kind == "message":
+            peer, msg = args
+            self._on_message(peer, msg)
+        elif kind in ("shipped", "released", "failed"):
+            room, detail = args
+            req = self.shipping.pop(room, None)
+            self.sent_pages.pop(room, None)
+            self.dests.pop(room, None)
+            if req is None and kind == "failed":  # a write failed while the prompt still runs
+                req = self._running(room)
+                if req is not None:
+                    self.num_failed += 1
+                    self.scheduler.finish(req, "error", error=detail)
+                return
+            if req is None:
+                return
+            self._release(req)
+            if kind == "shipped":
+                self.bytes_shipped += detail
+                self.scheduler.finish(req, "stop")
+            elif kind == "failed":
+                self.num_failed += 1
+                self.scheduler.finish(req, "error", error=detail)
+
+    def _on_message(self, peer: str, msg: dict) -> None:
+        room, kind = msg["room"], msg["kind"]
+        if kind == "dest":
+            self.dests[room] = (peer, msg, time.monotonic())
+        elif kind == "abort":
+            req = self.bootstrap.get(room) or self._running(room) or self.shipping.get(room)
+            if req is not None:
+                self.scheduler.finish(req, "abort")
+            else:
+                self.dests.pop(room, None)
+                self.worker.send(peer, protocol.encode("released", room), room)
+
+    def _running(self, room: int) -> Request | None:
+        return next((r for r in self.scheduler.running + list(self.scheduler.waiting) if r.room == room), None)
+
+    def _release(self, req: Request) -> None:
+        if getattr(req, "meta_slot", None) is not None:
+            self.slots.give(req.meta_slot)
+            req.meta_slot = None
+        held = getattr(req, "held_pages", None)
+        if held:
+            self.scheduler.pool.free(held)
+            req.held_pages = []
+
+    def _expire(self) -> None:
+        now, limit = time.monotonic(), self.cfg.transfer_timeout_s
+        for room, req in list(self.bootstrap.items()):
+            if now - req.admitted_at > limit:
+                self.bootstrap.pop(room)
+                self.scheduler.finish(req, "error", error=f"no KV destination from the decode engine within {limit:g}s")
+        for room, (peer, _, at) in list(self.dests.items()):
+            if now - at > limit and room not in self.shipping and self._running(room) is None \
+                    and room not in self.bootstrap:
+                self.dests.pop(room)
+                self.worker.send(peer, protocol.encode("error", room, msg="the prefill engine never got this request"),
+                                 room)
+
+    def stats(self) -> dict:
+        return {"kv_bytes_sent": self.bytes_shipped, "transfer_failures": self.num_failed,
+                "bootstrapping": len(self.bootstrap), "shipping": len(self.shipping)}

@@ -1,0 +1,62 @@
+"""What prefill and decode engines tell each other, and the metadata row.
+
+Messages travel as NIXL notifications (JSON). Every message names its
+bootstrap room, and a receiver acts only on rooms it knows, so no request can
+ever take another's KV:
+
+    decode -> prefill   dest      room, pages, slot, prompt_len: where to write
+    decode -> prefill   abort     room: the decode side gave the request up
+    prefill -> decode   done      room: KV and metadata have landed (the meta write's notification)
+    prefill -> decode   error     room, msg: the prefill side failed or refused the room
+    prefill -> decode   released  room: no write for this room is in flight any more
+
+The metadata row (int64) is written into the decode engine's slot after the
+last KV write: room, first token, its logprob (float64 bits), prompt length.
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+
+META_WIDTH = 4
+
+
+def encode(kind: str, room: int, **fields) -> bytes:
+    return json.dumps({"kind": kind, "room": room, **fields}, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> dict | None:
+    try:
+        msg = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return msg if isinstance(msg, dict) and "kind" in msg and "room" in msg else None
+
+
+def new_meta_buffer(slots: int) -> torch.Tensor:
+    return torch.zeros((slots, META_WIDTH), dtype=torch.int64)
+
+
+def write_meta_row(meta: torch.Tensor, slot: int, room: int, token: int, logprob: float, prompt_len: int) -> None:
+    bits = struct.unpack("<q", struct.pack("<d", logprob))[0]
+    meta[slot] = torch.tensor([room, token, bits, prompt_len], dtype=torch.int64)
+
+
+def read_meta_row(meta: torch.Tensor, slot: int) -> tuple[int, int, float, int]:
+    room, token, bits, prompt_len = meta[slot].tolist()
+    return room, token, struct.unpack("<d", struct.pack("<q", bits))[0], prompt_len
+
+
+class SlotPool:
+    """Metadata slots of one engine."""
+
+    def __init__(self, count: int):
+        self.free = list(range(count - 1, -1, -1))
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)

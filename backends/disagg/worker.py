@@ -1,0 +1,210 @@
+"""The worker half of the KV hand-off: one thread owns the NIXL transport.
+
+The engine loop (the scheduler half) decides what moves for whom and queues
+commands; this thread posts them, polls them, and hands results back as events,
+waking the loop. On a CPU, UCX copies inside the post with the GIL released, so
+a layer group's write here overlaps the next layers' compute in the engine
+thread. Every NIXL call happens in this thread.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from backends.disagg import protocol
+from backends.disagg.transport import KVTransport, TransferError, XferHandle
+
+log = logging.getLogger("tandem.transfer")
+POLL_S = 0.002
+
+
+@dataclass
+class Shipment:
+    """One request's outgoing KV (prefill side), owned by the worker thread."""
+
+    room: int
+    peer: str
+    handles: list[XferHandle] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    meta: tuple | None = None            # (local_slot, remote_slot) once the last KV write is queued
+    meta_handle: XferHandle | None = None
+    cancelled: bool = False
+    bytes_sent: int = 0
+
+
+class TransferWorker:
+    def __init__(self, transport: KVTransport, wake: Callable[[], None], timeout_s: float):
+        self.transport, self.wake, self.timeout_s = transport, wake, timeout_s
+        self.commands: queue.Queue = queue.Queue()
+        self.events: collections.deque = collections.deque()
+        self.shipments: dict[int, Shipment] = {}
+        # Rooms that failed or were cancelled: later writes for them are dropped,
+        # since the decode side may already have given their pages to another request.
+        self.closed: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.trace: list[tuple] | None = None  # (what, detail, monotonic time) when a test turns it on
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-transfer", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread side --------------------------------------------------------
+    def call(self, fn: Callable[[], None]) -> None:
+        self.commands.put(fn)
+
+    def take_events(self) -> list[tuple]:
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.transport.close()
+
+    # ---- worker thread -------------------------------------------------------------
+    def _emit(self, *event) -> None:
+        self.events.append(event)
+        self.wake()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                fn = self.commands.get(timeout=POLL_S if self.shipments else 10 * POLL_S)
+                fn()
+                while not self.commands.empty():
+                    self.commands.get_nowait()()
+            except queue.Empty:
+                pass
+            except Exception:
+                log.error("transfer command failed: %s", traceback.format_exc())
+            try:
+                self._pump()
+            except Exception:
+                log.error("transfer poll failed: %s", traceback.format_exc())
+
+    def _pump(self) -> None:
+        for peer, data in self.transport.messages():
+            msg = protocol.decode(data)
+            if msg is None:
+                log.warning("dropping a malformed message from %s", peer)
+                continue
+            self._emit("message", peer, msg)
+        for ship in list(self.shipments.values()):
+            self._advance(ship)
+
+    # ---- prefill side: shipments ---------------------------------------------------
+    def write(self, room: int, peer: str, layers: range, local: list[int], remote: list[int]) -> None:
+        """Queue a write of these layers' pages (runs in the worker thread)."""
+        def post():
+            if room in self.closed or not local:
+                return
+            ship = self.shipments.setdefault(room, Shipment(room, peer))
+            if ship.cancelled:
+                return
+            try:
+                h = self.transport.write_kv(peer, local, remote, layers)
+            except (TransferError, ValueError) as exc:
+                self._fail(ship, f"KV write to the decode engine failed: {exc}")
+                return
+            ship.handles.append(h)
+            ship.bytes_sent += h.nbytes
+            if self.trace is not None:
+                self.trace.append(("posted", (layers.start, layers.stop), time.monotonic()))
+        self.call(post)
+
+    def finish(self, room: int, peer: str, local_slot: int, remote_slot: int) -> None:
+        """After the queued KV writes are done, write the metadata row (its notification says done)."""
+        def mark():
+            if room in self.closed:
+                self._emit("failed", room, "the KV transfer of this request had already failed")
+                return
+            self.shipments.setdefault(room, Shipment(room, peer)).meta = (local_slot, remote_slot)
+        self.call(mark)
+
+    def cancel(self, room: int) -> None:
+        def mark():
+            ship = self.shipments.get(room)
+            if ship is None:
+                self._remember_closed(room)
+                self._emit("released", room, 0)
+            else:
+                ship.cancelled = True
+        self.call(mark)
+
+    def _advance(self, ship: Shipment) -> None:
+        states = [self.transport.poll(h) for h in ship.handles]
+        if "ERR" in states:
+            self._fail(ship, "a KV write to the decode engine failed (NIXL reported an error)")
+        elif "PROC" in states and time.monotonic() - ship.started > self.timeout_s:
+            self._fail(ship, f"KV transfer not done within {self.timeout_s:g}s")
+        elif "PROC" in states:
+            return
+        elif ship.cancelled:
+            self._close(ship)
+            self._emit("released", ship.room, ship.bytes_sent)
+        elif ship.meta is not None:
+            self._send_meta(ship)
+        elif time.monotonic() - ship.started > self.timeout_s:
+            self._fail(ship, f"prefill not finished within {self.timeout_s:g}s")
+
+    def _send_meta(self, ship: Shipment) -> None:
+        if ship.meta_handle is None:
+            if self.trace is not None:
+                self.trace.append(("kv_done", ship.room, time.monotonic()))
+            local, remote = ship.meta
+            try:
+                ship.meta_handle = self.transport.write_meta(ship.peer, local, remote,
+                                                             protocol.encode("done", ship.room))
+            except TransferError as exc:
+                self._fail(ship, f"metadata write to the decode engine failed: {exc}")
+            return
+        state = self.transport.poll(ship.meta_handle)
+        if state == "DONE":
+            self._close(ship)
+            self._emit("shipped", ship.room, ship.bytes_sent + ship.meta_handle.nbytes)
+        elif state == "ERR":
+            self._fail(ship, "metadata write to the decode engine failed (NIXL reported an error)")
+
+    def _fail(self, ship: Shipment, message: str) -> None:
+        log.warning("room %d: %s", ship.room, message)
+        self._close(ship)
+        try:
+            self.transport.send_message(ship.peer, protocol.encode("error", ship.room, msg=message))
+        except Exception:
+            pass  # the peer may be the reason we failed
+        self._emit("failed", ship.room, message)
+
+    def _close(self, ship: Shipment) -> None:
+        for h in ship.handles + ([ship.meta_handle] if ship.meta_handle else []):
+            self.transport.release(h)
+        self.shipments.pop(ship.room, None)
+        self._remember_closed(ship.room)
+
+    def _remember_closed(self, room: int) -> None:
+        self.closed[room] = None
+        while len(self.closed) > 100_000:
+            self.closed.popitem(last=False)
+
+    # ---- both sides: control messages ----------------------------------------------
+    def send(self, peer: str, data: bytes, room: int) -> None:
+        def post():
+            try:
+                self.transport.send_message(peer, data)
+            except Exception as exc:
+                self._emit("send_failed", room, f"message to {peer} failed: {exc}")
+        self.call(post)
+
+    def connect(self, peer: str, host: str, port: int, timeout_s: float) -> None:
+        def dial():
+            try:
+                self.transport.connect(peer, host, port, timeout_s=timeout_s, wait=True)
+                self._emit("connected", peer, "")
+            except Exception as exc:
+                self._emit("connect_failed", peer, str(exc))
+        self.call(dial)

