@@ -1,6 +1,7 @@
 """Through a real tritonserver and real gRPC: the `llm` model on the default
 checkpoint against transformers, cancellation, bad input."""
 import concurrent.futures
+import functools
 import queue
 import time
 
@@ -16,19 +17,27 @@ PROMPTS = ["What is the capital of France?", "Écris une phrase sur le café cr�
 MAX_TOKENS = 40
 
 
+@functools.lru_cache(maxsize=1)
+def _hf_default():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.server import DEFAULT_MODEL
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    return tok, AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+
+
+def greedy_reference(prompt: str, max_tokens: int = MAX_TOKENS, chat: bool = True) -> str:
+    """transformers' greedy text for the default model."""
+    tok, model = _hf_default()
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
+        if chat else tok(prompt).input_ids
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def hf(default_model):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(default_model)
-    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
-
-    def greedy_text(prompt: str, chat: bool = True, max_tokens: int = MAX_TOKENS) -> str:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
-            if chat else tok(prompt).input_ids
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.eos_token_id)
-        return tok.decode(out[0, len(ids):], skip_special_tokens=True)
-    return greedy_text
+    return lambda prompt, chat=True, max_tokens=MAX_TOKENS: greedy_reference(prompt, max_tokens, chat)
 
 
 def test_france_is_answered_with_paris(llm_server):
