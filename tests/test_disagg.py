@@ -13,7 +13,7 @@ from backends.disagg.decode import DecodeRole
 from backends.disagg.pipeline import layer_group_size, layer_groups
 from backends.engine import Engine
 from backends.request import SamplingParams
-from tests.disagg_utils import Pair, drain
+from backends.disagg.local import Pair, drain
 from tests.engine_utils import collect, small_engine, token_ids
 from tests.server import free_port
 from tests.test_model_parity import prompts

@@ -220,5 +220,6 @@ class PrefillRole:
                                  room)
 
     def stats(self) -> dict:
-        return {"kv_bytes_sent": self.bytes_shipped, "transfer_failures": self.num_failed,
+        return {"kv_bytes_sent": self.bytes_shipped, "kv_write_seconds": self.worker.write_seconds,
+                "transfer_failures": self.num_failed,
                 "bootstrapping": len(self.bootstrap), "shipping": len(self.shipping)}

@@ -47,6 +47,7 @@ class TransferWorker:
         # Rooms that failed or were cancelled: later writes for them are dropped,
         # since the decode side may already have given their pages to another request.
         self.closed: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.write_seconds = 0.0   # time spent posting KV writes (bandwidth = bytes / this)
         self.trace: list[tuple] | None = None  # (what, detail, monotonic time) when a test turns it on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-transfer", daemon=True)
@@ -107,11 +108,13 @@ class TransferWorker:
             ship = self.shipments.setdefault(room, Shipment(room, peer))
             if ship.cancelled:
                 return
+            start = time.perf_counter()
             try:
                 h = self.transport.write_kv(peer, local, remote, layers)
             except (TransferError, ValueError) as exc:
                 self._fail(ship, f"KV write to the decode engine failed: {exc}")
                 return
+            self.write_seconds += time.perf_counter() - start  # on a CPU, UCX copies inside the post
             ship.handles.append(h)
             ship.bytes_sent += h.nbytes
             if self.trace is not None:

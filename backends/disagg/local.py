@@ -1,5 +1,6 @@
-"""A prefill engine and a decode engine in this process, joined by real NIXL
-transports, driven the way the router drives them (same room on both)."""
+"""A prefill engine and a decode engine in one process, joined by real NIXL
+transports and driven the way the router drives them (same room on both).
+For tests and for benchmarks of the hand-off without Triton in the way."""
 from __future__ import annotations
 
 import queue
@@ -11,7 +12,13 @@ from backends.disagg.decode import DecodeRole
 from backends.disagg.prefill import PrefillRole
 from backends.engine import Engine
 from backends.request import RequestOutput, SamplingParams
-from tests.server import free_port
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Pair:
