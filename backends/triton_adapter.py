@@ -9,9 +9,11 @@ file imports without Triton (tests drive it with a stand-in).
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
+import time
 
 from backends.config import EngineConfig
 from backends.engine import Engine, InvalidRequest
@@ -30,9 +32,12 @@ def model_parameters(args: dict) -> dict[str, str]:
 class ResponseStream:
     """The sink of one request: turns engine outputs into Triton responses."""
 
-    def __init__(self, pb, sender, req: GenerateRequest, wanted: tuple[str, ...], on_gone):
+    def __init__(self, pb, sender, req: GenerateRequest, wanted: tuple[str, ...], on_gone,
+                 latencies: "LatencyMetrics | None" = None):
         self.pb, self.sender, self.req, self.wanted = pb, sender, req, wanted
         self.on_gone = on_gone
+        self.latencies = latencies
+        self.started, self.last_token_at = time.monotonic(), None
         self.prefix = "" if req.exclude_input else req.prompt
         self.text, self.ids = [], []
         # Triton frees the response factory with the final response; asking it
@@ -55,7 +60,18 @@ class ResponseStream:
         with self.lock:
             return not self.closed and self.sender.is_cancelled()
 
+    def _time(self, out: RequestOutput) -> None:
+        if not out.token_ids or self.latencies is None:
+            return
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.latencies.record("ttft", now - self.started)
+        else:
+            self.latencies.record("itl", (now - self.last_token_at) / len(out.token_ids))
+        self.last_token_at = now
+
     def _send(self, out: RequestOutput) -> None:
+        self._time(out)
         final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
         if out.error:
             self.sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(out.error)),
@@ -107,6 +123,7 @@ class EngineModel:
         self.streams: dict[str, tuple[object, ResponseStream]] = {}
         self.lock = threading.Lock()
         self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
+        self.latencies = LatencyMetrics(self.pb, args.get("model_name", "llm"))
         self._closing = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="tandem-watch", daemon=True)
         self._watcher.start()
@@ -138,7 +155,7 @@ class EngineModel:
                                      "bootstrap_room (send requests to `router` or `llm`)")
             ids = self.engine.tokenize(req.prompt, chat=req.chat)
             wanted = tuple(request.requested_output_names()) or OUTPUTS
-            stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort)
+            stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort, self.latencies)
             engine_request = self.engine.make_request(
                 ids, req.params, self._sink(stream), room=req.room,
                 request_id=None if req.room is None else room_request_id(req.room))
@@ -178,6 +195,7 @@ class EngineModel:
                 if cancelled:
                     self.engine.abort(request_id)
             self.metrics.update(self.engine.stats())
+            self.latencies.flush()
 
     def finalize(self) -> None:
         self._closing.set()
@@ -207,3 +225,27 @@ class EngineMetrics:
     def update(self, stats: dict) -> None:
         for key, gauge in self.gauges.items():
             gauge.set(float(stats[key]))
+
+
+class LatencyMetrics:
+    """TTFT and ITL histograms. Values are queued by the sending thread and
+    observed by the watcher, so the engine thread never waits on the metric IPC."""
+
+    BUCKETS = {"ttft": [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
+               "itl": [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1]}
+    DOCS = {"ttft": "time to first token, seconds", "itl": "inter-token latency, seconds"}
+
+    def __init__(self, pb, model: str):
+        self.families = {k: pb.MetricFamily(name=f"tandem_{k}_seconds", description=self.DOCS[k],
+                                            kind=pb.MetricFamily.HISTOGRAM) for k in self.DOCS}
+        self.histograms = {k: f.Metric(labels={"model": model}, buckets=self.BUCKETS[k])
+                           for k, f in self.families.items()}
+        self.pending: collections.deque = collections.deque()
+
+    def record(self, kind: str, seconds: float) -> None:
+        self.pending.append((kind, seconds))
+
+    def flush(self) -> None:
+        while self.pending:
+            kind, seconds = self.pending.popleft()
+            self.histograms[kind].observe(seconds)

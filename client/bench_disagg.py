@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
                   chunk_size=512, max_batch_tokens=512, max_running_requests=4, threads=0)
     results = {}
     for mode in ("auto", "off"):
-        pair = Pair(args.model, engine_overrides=engine, pipeline=mode, pipeline_group_size=args.group_size)
+        pair = Pair(args.model, engine_overrides=engine, pipeline=mode, pipeline_group_size=args.group_size,
+                    transfer_timeout_s=600)
         try:
             measure(pair, 64, 1)  # warm-up
             for length in args.lengths:

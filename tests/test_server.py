@@ -141,3 +141,14 @@ def test_client_cli(llm_server):
     bad = subprocess.run([sys.executable, "-m", "client", "--url", llm_server.grpc_url, "--model", "nope", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_metrics_scrape(llm_server):
+    """Engine gauges and latency histograms on Triton's metrics port."""
+    stream_generate(llm_server.grpc_url, "llm", "Say hello.", max_tokens=8, chat=True)
+    time.sleep(0.2)  # the watcher observes queued latencies every 20 ms
+    m = llm_server.metrics()
+    assert m['tandem_kv_pages_total{model="llm"}'] == 512
+    assert m['tandem_ttft_seconds_count{model="llm"}'] >= 1
+    assert m['tandem_itl_seconds_count{model="llm"}'] >= 1
+    assert 0 < m['tandem_ttft_seconds_sum{model="llm"}'] < 60

@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from backends.request import RequestOutput
-from backends.triton_adapter import CANCEL_POLL_S, ResponseStream, model_parameters
+from backends.triton_adapter import CANCEL_POLL_S, LatencyMetrics, ResponseStream, model_parameters
 from backends.triton_io import OUTPUTS, parse_request
 from backends.engine import InvalidRequest
 
@@ -155,6 +155,7 @@ class RouterModel:
         self.default_max_tokens = int(get("default_max_tokens", "256"))
         self.threads = concurrent.futures.ThreadPoolExecutor(int(get("max_threads", "512")),
                                                              thread_name_prefix="tandem-router")
+        self.latencies = LatencyMetrics(self.pb, args.get("model_name", "router"))
         self.relays: dict[int, Relay] = {}
         self.lock = threading.Lock()
         self._closing = threading.Event()
@@ -179,7 +180,8 @@ class RouterModel:
             return
         room = random.getrandbits(62) + 1
         wanted = tuple(request.requested_output_names()) or OUTPUTS
-        relay = Relay(room, ResponseStream(self.pb, sender, parsed, wanted, lambda _id: self._abort(room)))
+        relay = Relay(room, ResponseStream(self.pb, sender, parsed, wanted, lambda _id: self._abort(room),
+                                           self.latencies))
         with self.lock:
             self.relays[room] = relay
         child_inputs = {**inputs, "stream": np.array([True]), "exclude_input_in_output": np.array([True]),
@@ -232,6 +234,7 @@ class RouterModel:
 
     def _watch(self) -> None:
         while not self._closing.wait(CANCEL_POLL_S):
+            self.latencies.flush()
             with self.lock:
                 relays = list(self.relays.values())
             for relay in relays:
