@@ -198,7 +198,10 @@ class EngineModel:
             self.latencies.flush()
 
     def finalize(self) -> None:
+        # No call into the stub (metrics, is_cancelled, send) may outlive finalize:
+        # one left waiting on a server that is gone keeps the stub process alive.
         self._closing.set()
+        self._watcher.join(timeout=5)
         self.engine.stop()
 
 

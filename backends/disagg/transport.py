@@ -218,7 +218,9 @@ def _make_agent(name: str, port: int | None):
     # retry if another process takes it in between (NIXL raises on a failed bind).
     for _ in range(1 if port else _BIND_TRIES):
         p = port or _free_port()
-        cfg = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
+        # No progress thread: it spins (60% of a core per idle agent here), and our
+        # worker thread polls transfers and notifications, which drives progress.
+        cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=True,
                                 listen_port=p, backends=["UCX"])
         try:
             agent = nixl_agent(name, cfg)
