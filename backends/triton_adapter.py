@@ -56,9 +56,13 @@ class ResponseStream:
             log.info("stream of %s closed: %s", out.request_id, exc)
             self.on_gone(out.request_id)
 
-    def is_cancelled(self) -> bool:
-        with self.lock:
-            return not self.closed and self.sender.is_cancelled()
+    def cancelled(self) -> bool:
+        """Whether the client cancelled (or its stream cannot be asked any more)."""
+        try:
+            with self.lock:
+                return not self.closed and self.sender.is_cancelled()
+        except Exception:
+            return True
 
     def _time(self, out: RequestOutput) -> None:
         if not out.token_ids or self.latencies is None:
@@ -108,10 +112,55 @@ def make_role(role: str, params: dict[str, str]):
     return DecodeRole(cfg)
 
 
-class EngineModel:
+class StreamingModel:
+    """What every Tandem model.py shares: requests started one by one in
+    `execute` (decoupled: responses go out from other threads), a watcher
+    thread that polls cancellation and publishes metrics, and a finalize after
+    which nothing calls into the stub any more."""
+
+    pb = None  # the triton_python_backend_utils module, set by model.py
+
+    def execute(self, requests):
+        for request in requests:
+            self._start(request)
+        return None
+
+    def _start(self, request) -> None:
+        raise NotImplementedError
+
+    def _reject(self, sender, message: str) -> None:
+        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _start_watcher(self) -> None:
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="tandem-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._closing.wait(CANCEL_POLL_S):
+            try:
+                self.poll()
+            except Exception:
+                log.exception("watcher poll failed")
+
+    def poll(self) -> None:
+        """Abort what clients cancelled; publish metrics (every CANCEL_POLL_S)."""
+
+    def close(self) -> None:
+        pass
+
+    def finalize(self) -> None:
+        # No call into the stub (metrics, is_cancelled, send) may outlive finalize:
+        # one left waiting on a server that is gone keeps the stub process alive.
+        self._closing.set()
+        self._watcher.join(timeout=5)
+        self.close()
+
+
+class EngineModel(StreamingModel):
     """Base of the `llm`, `prefill` and `decode` models' TritonPythonModel."""
 
-    pb = None      # set by model.py
     role = "colocated"
 
     def initialize(self, args: dict) -> None:
@@ -124,20 +173,13 @@ class EngineModel:
         self.lock = threading.Lock()
         self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "llm"))
-        self._closing = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="tandem-watch", daemon=True)
-        self._watcher.start()
+        self._start_watcher()
         log.info("engine ready: %s, %s, %s, attention %s, %d KV pages of %d tokens",
                  self.cfg.model_path, self.engine.runner.device, self.engine.runner.dtype,
                  self.engine.runner.attention_backend, self.engine.runner.pool.num_pages, self.cfg.page_size)
 
     def create_engine(self) -> Engine:
         return Engine(self.cfg, role=make_role(self.role, self.params))
-
-    def execute(self, requests):
-        for request in requests:
-            self._start(request)
-        return None
 
     def _start(self, request) -> None:
         sender = request.get_response_sender()
@@ -178,30 +220,16 @@ class EngineModel:
                     self.streams.pop(out.request_id, None)
         return sink
 
-    def _reject(self, sender, message: str) -> None:
-        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
-        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def poll(self) -> None:
+        with self.lock:
+            streams = list(self.streams.items())
+        for request_id, (_, stream) in streams:
+            if stream.cancelled():
+                self.engine.abort(request_id)
+        self.metrics.update(self.engine.stats())
+        self.latencies.flush()
 
-    def _watch(self) -> None:
-        """Abort requests whose client cancelled; publish engine gauges."""
-        while not self._closing.wait(CANCEL_POLL_S):
-            with self.lock:
-                streams = list(self.streams.items())
-            for request_id, (request, stream) in streams:
-                try:
-                    cancelled = stream.is_cancelled()
-                except Exception:
-                    cancelled = True
-                if cancelled:
-                    self.engine.abort(request_id)
-            self.metrics.update(self.engine.stats())
-            self.latencies.flush()
-
-    def finalize(self) -> None:
-        # No call into the stub (metrics, is_cancelled, send) may outlive finalize:
-        # one left waiting on a server that is gone keeps the stub process alive.
-        self._closing.set()
-        self._watcher.join(timeout=5)
+    def close(self) -> None:
         self.engine.stop()
 
 

@@ -32,7 +32,7 @@ def set_parameters(config: str, values: dict[str, str]) -> str:
 
 class TritonServer:
     def __init__(self, repo_dir: str, models: list[str], parameters: dict[str, dict[str, str]] | None = None,
-                 env: dict[str, str] | None = None, ready_timeout_s: float = 240):
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 480):
         self.repo_dir, self.models = repo_dir, models
         self.env = {**os.environ, **(env or {})}
         self.ready_timeout_s = ready_timeout_s

@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from backends.request import RequestOutput
-from backends.triton_adapter import CANCEL_POLL_S, LatencyMetrics, ResponseStream, model_parameters
+from backends.triton_adapter import LatencyMetrics, ResponseStream, StreamingModel, model_parameters
 from backends.triton_io import OUTPUTS, parse_request
 from backends.engine import InvalidRequest
 
@@ -143,8 +143,7 @@ def _int(outputs: dict, name: str) -> int:
     return int(np.asarray(value).reshape(-1)[0]) if value is not None and np.asarray(value).size else 0
 
 
-class RouterModel:
-    pb = None  # set by model.py
+class RouterModel(StreamingModel):
 
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -158,16 +157,10 @@ class RouterModel:
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "router"))
         self.relays: dict[int, Relay] = {}
         self.lock = threading.Lock()
-        self._closing = threading.Event()
-        threading.Thread(target=self._watch, name="tandem-router-watch", daemon=True).start()
+        self._start_watcher()
 
     def _child(self, url: str, model: str):
         return RemoteChild(url, model) if url else LocalChild(self.pb, model)
-
-    def execute(self, requests):
-        for request in requests:
-            self._start(request)
-        return None
 
     def _start(self, request) -> None:
         sender = request.get_response_sender()
@@ -175,8 +168,7 @@ class RouterModel:
         try:
             parsed = parse_request(inputs.get, self.default_max_tokens)
         except InvalidRequest as exc:
-            sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(str(exc))),
-                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._reject(sender, str(exc))
             return
         room = random.getrandbits(62) + 1
         wanted = tuple(request.requested_output_names()) or OUTPUTS
@@ -232,19 +224,13 @@ class RouterModel:
         except Exception as exc:
             log.warning("could not cancel room %d on %s: %s", room, child.model, exc)
 
-    def _watch(self) -> None:
-        while not self._closing.wait(CANCEL_POLL_S):
-            self.latencies.flush()
-            with self.lock:
-                relays = list(self.relays.values())
-            for relay in relays:
-                try:
-                    cancelled = relay.client.is_cancelled()
-                except Exception:
-                    cancelled = True
-                if cancelled:
-                    self._abort(relay.room)
+    def poll(self) -> None:
+        self.latencies.flush()
+        with self.lock:
+            relays = list(self.relays.values())
+        for relay in relays:
+            if relay.client.cancelled():
+                self._abort(relay.room)
 
-    def finalize(self) -> None:
-        self._closing.set()
+    def close(self) -> None:
         self.threads.shutdown(wait=False, cancel_futures=True)
