@@ -107,7 +107,9 @@ def router_model() -> str:
 
 
 def main() -> None:
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_repository")
+    """Writes into model_repository/, or into the directory given as the first argument."""
+    root = sys.argv[1] if len(sys.argv) > 1 else \
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_repository")
     configs = {"llm": engine_model("llm", "colocated"), "prefill": engine_model("prefill", "prefill"),
                "decode": engine_model("decode", "decode"), "router": router_model()}
     for name, text in configs.items():

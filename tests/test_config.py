@@ -1,0 +1,48 @@
+"""Configuration: config.pbtxt parameters -> frozen configs, and the committed
+configs are exactly what scripts/gen_config.py makes from the code."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from backends.config import EngineConfig
+from backends.disagg.config import DisaggConfig
+from tests.server import ROOT
+
+
+def test_parameters_are_typed_and_blank_keeps_default(monkeypatch):
+    monkeypatch.delenv("TANDEM_MODEL_PATH", raising=False)
+    cfg = EngineConfig.from_params({"page_size": "8", "kv_memory_gb": "0.5", "model_path": "", "nixl_port": "1"})
+    assert (cfg.page_size, cfg.kv_memory_gb) == (8, 0.5) and cfg.model_path == EngineConfig().model_path
+
+
+def test_environment_overrides_model_path(monkeypatch):
+    monkeypatch.setenv("TANDEM_MODEL_PATH", "/models/other")
+    assert EngineConfig.from_params({"model_path": "/models/mine"}).model_path == "/models/other"
+
+
+@pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}])
+def test_bad_values_are_refused(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(**bad)
+    with pytest.raises(ValueError, match="dtype"):
+        _ = EngineConfig(dtype="float8").torch_dtype
+
+
+def test_disagg_parameters():
+    cfg = DisaggConfig.from_params({"prefill_address": "10.0.0.2:9000", "pipeline": "off", "pipeline_min_iters": "2"})
+    assert cfg.prefill_host_port == ("10.0.0.2", 9000) and cfg.pipeline == "off"
+    with pytest.raises(ValueError):
+        DisaggConfig(pipeline="sometimes")
+    with pytest.raises(ValueError):
+        _ = DisaggConfig(prefill_address="nohost").prefill_host_port
+
+
+def test_committed_configs_match_the_code(tmp_path):
+    repo = os.path.join(ROOT, "model_repository")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen_config.py"), str(tmp_path)], check=True)
+    for model in ("llm", "prefill", "decode", "router"):
+        with open(os.path.join(repo, model, "config.pbtxt")) as committed, \
+                open(tmp_path / model / "config.pbtxt") as generated:
+            assert committed.read() == generated.read(), f"{model}: run `make configs` and commit the result"
