@@ -32,7 +32,8 @@ class EngineConfig:
     page_size: int = field(default=16, metadata={"doc": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={
         "doc": "KV pages in the pool; 0 = enough for max_running_requests full contexts, capped by kv_memory_gb"})
-    kv_memory_gb: float = field(default=2.0, metadata={"doc": "KV pool cap when num_pages is 0"})
+    kv_memory_gb: float = field(default=0.5, metadata={
+        "doc": "KV pool cap when num_pages is 0 (per engine: the default repository runs three)"})
     max_batch_tokens: int = field(default=512, metadata={"doc": "token budget of one step (decodes + prefill chunks)"})
     chunk_size: int = field(default=512, metadata={"doc": "most prompt tokens of one request in one step (chunked prefill)"})
     max_running_requests: int = field(default=64, metadata={"doc": "most requests in the running batch"})
