@@ -46,3 +46,9 @@ def test_committed_configs_match_the_code(tmp_path):
         with open(os.path.join(repo, model, "config.pbtxt")) as committed, \
                 open(tmp_path / model / "config.pbtxt") as generated:
             assert committed.read() == generated.read(), f"{model}: run `make configs` and commit the result"
+
+
+def test_readme_lists_every_engine_parameter_with_its_default():
+    from backends.config import parameter_table
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert parameter_table() in f.read(), "paste `python -m backends.config` into the README"
