@@ -13,9 +13,23 @@ from __future__ import annotations
 PROMPT_CONTEXT = 6  # prompt tokens the first window starts with
 
 
+def fast_decoder(tokenizer):
+    """The Rust tokenizer's decode when it gives the same text as tokenizer.decode, else None.
+
+    A fast tokenizer's decode is the Rust decode plus, only when
+    clean_up_tokenization_spaces is set, a Python clean-up pass; calling the Rust
+    one directly skips ~20 us of wrapper per call (two calls per token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False) \
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        self._backend_decode = fast_decoder(tokenizer)
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -26,6 +40,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> None:

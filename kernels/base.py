@@ -56,15 +56,14 @@ class AttentionMetadata:
     def build(q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]],
               page_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
         """Metadata from per-sequence page lists (the scheduler's view)."""
+        # Plain Python lists and one tensor each: per-sequence tensor ops cost more than
+        # the arithmetic at decode batch sizes on a CPU.
         width = max((len(p) for p in page_tables), default=1) or 1
-        table = torch.zeros((len(page_tables), width), dtype=torch.int32)
-        slots = []
-        for i, (pages, q, kv) in enumerate(zip(page_tables, q_lens, kv_lens)):
-            row = torch.tensor(pages, dtype=torch.int64)
-            table[i, :len(pages)] = row
-            pos = torch.arange(kv - q, kv)
-            slots.append(row[pos // page_size] * page_size + pos % page_size)
-        slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        table = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.int32) \
+            if page_tables else torch.zeros((0, width), dtype=torch.int32)
+        slots = [pages[pos // page_size] * page_size + pos % page_size
+                 for pages, q, kv in zip(page_tables, q_lens, kv_lens) for pos in range(kv - q, kv)]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
         return AttentionMetadata(
             q_lens=list(q_lens), kv_lens=list(kv_lens), page_table=table.to(device),
             slot_mapping=slot_mapping.to(device), page_size=page_size)

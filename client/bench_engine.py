@@ -1,0 +1,173 @@
+"""In-process engine benchmark: the Engine with no Triton in front of it.
+
+    python -m client.bench_engine --streams 1 8 16 --prompt-tokens 128 --output-tokens 128 [--with-hf]
+
+Closed loop per level: C streams, each starts its next request as soon as the
+previous one ends (4 requests at 1 stream, 2*C otherwise, as the peers'
+bench_stream.py). Every request is a distinct window of Python stdlib source
+tokens, greedy, exactly --output-tokens tokens (ignore_eos, min_tokens).
+Per repetition: output tok/s = output tokens / wall (first submit -> last
+token), TTFT p50 (submit -> first token), ITL p50 (gaps between streamed
+outputs, pooled). The median over repetitions is printed per level, with the
+CPU share other processes took during the runs (this machine is shared).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import threading
+import time
+
+from backends.config import EngineConfig
+from backends.engine import Engine
+from backends.request import RequestOutput, SamplingParams
+
+STDLIB = "/usr/lib/python3.11"
+
+
+def make_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n distinct token windows of stdlib source (past each file's header)."""
+    files = sorted(f for f in glob.glob(f"{STDLIB}/**/*.py", recursive=True) if "/test" not in f)
+    out = []
+    for path in files:
+        try:
+            ids = tokenizer(open(path, encoding="utf-8").read(), add_special_tokens=False).input_ids
+        except (OSError, UnicodeDecodeError):
+            continue
+        out += [ids[s:s + length] for s in range(512, len(ids) - length, 4 * length)][:3]
+        if len(out) >= n:
+            return out[:n]
+    raise RuntimeError(f"only {len(out)} prompts of {length} tokens in {STDLIB}")
+
+
+class Stream:
+    """One request's timestamps, filled by the engine thread."""
+
+    def __init__(self, on_done):
+        self.t0 = time.perf_counter()
+        self.stamps: list[float] = []
+        self.tokens = 0
+        self.on_done = on_done
+
+    def __call__(self, out: RequestOutput) -> None:
+        if out.token_ids:
+            self.stamps.append(time.perf_counter())
+            self.tokens += len(out.token_ids)
+        if out.error:
+            raise RuntimeError(out.error)
+        if out.finished:
+            self.on_done(self)
+
+
+def busy_ticks() -> int:
+    v = list(map(int, open("/proc/stat").readline().split()[1:]))
+    return sum(v) - v[3] - v[4]
+
+
+def own_ticks() -> int:
+    st = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+    return int(st[11]) + int(st[12])
+
+
+def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams) -> dict:
+    """Run len(prompts) requests, `concurrency` at a time; returns this repetition's figures."""
+    todo, done, lock, finished = list(prompts), [], threading.Lock(), threading.Event()
+
+    def start_next():
+        with lock:
+            ids = todo.pop(0) if todo else None
+        if ids is not None:
+            engine.generate(ids, params, Stream(on_done))
+
+    def on_done(stream):  # runs on the engine thread: the next request goes in at once
+        done.append(stream)
+        if len(done) == len(prompts):
+            finished.set()
+        start_next()
+
+    c0, o0, t0 = busy_ticks(), own_ticks(), time.perf_counter()
+    for _ in range(concurrency):
+        start_next()
+    finished.wait()
+    wall = max(s.stamps[-1] for s in done) - t0
+    foreign = max(0, (busy_ticks() - c0) - (own_ticks() - o0)) / os.sysconf("SC_CLK_TCK")
+    tokens = sum(s.tokens for s in done)
+    gaps = [b - a for s in done for a, b in zip(s.stamps, s.stamps[1:])]
+    return dict(tok_s=tokens / wall, ttft_ms=1e3 * statistics.median(s.stamps[0] - s.t0 for s in done),
+                itl_ms=1e3 * statistics.median(gaps) if gaps else 0.0, tokens=tokens,
+                foreign=foreign / (os.cpu_count() * wall))
+
+
+def bench_engine(args, engine: Engine) -> None:
+    per_level = {c: (4 if c == 1 else 2 * c) for c in args.streams}
+    need = sum(per_level.values()) * args.reps + 2 * max(args.streams)
+    prompts = make_prompts(engine.tokenizer, need, args.prompt_tokens)
+    params = SamplingParams(max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True)
+    for c, n in per_level.items():
+        wave(engine, [prompts.pop() for _ in range(c)], c, SamplingParams(max_tokens=16, ignore_eos=True))
+        reps = []
+        for _ in range(args.reps):
+            r = wave(engine, [prompts.pop() for _ in range(n)], c, params)
+            assert r["tokens"] == n * args.output_tokens, r
+            reps.append(r)
+        med = {k: statistics.median(r[k] for r in reps) for k in ("tok_s", "ttft_ms", "itl_ms")}
+        print(json.dumps(dict(streams=c, requests=n, tok_s=round(med["tok_s"], 1),
+                              ttft_p50_ms=round(med["ttft_ms"], 1), itl_p50_ms=round(med["itl_ms"], 2),
+                              runs_tok_s=[round(r["tok_s"], 1) for r in reps],
+                              foreign_cpu=[round(r["foreign"], 2) for r in reps])), flush=True)
+
+
+def bench_hf(args, tokenizer) -> None:
+    """transformers generate at batch 1 and 8, same prompts and lengths, for comparison."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    prompts = make_prompts(tokenizer, 8 * (args.reps + 1), args.prompt_tokens)
+    for b in (1, 8):
+        runs = []
+        for rep in range(args.reps):
+            ids = torch.tensor(prompts[rep * b:(rep + 1) * b])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=args.output_tokens, min_new_tokens=args.output_tokens,
+                               pad_token_id=tokenizer.eos_token_id)
+            runs.append(b * args.output_tokens / (time.perf_counter() - t0))
+        print(json.dumps(dict(hf_batch=b, tok_s=round(statistics.median(runs), 1),
+                              runs_tok_s=[round(r, 1) for r in runs])), flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m client.bench_engine", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default=EngineConfig().model_path)
+    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                    help="engine knob, as in config.pbtxt (repeatable)")
+    ap.add_argument("--with-hf", action="store_true", help="also time transformers generate (batch 1, 8)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    knobs = dict(kv.split("=", 1) for kv in args.set)
+    cfg = EngineConfig.from_params({**knobs, "model_path": args.model})
+    t0 = time.perf_counter()
+    engine = Engine(cfg).start()
+    print(json.dumps(dict(load_s=round(time.perf_counter() - t0, 1), knobs=knobs)), flush=True)
+    try:
+        bench_engine(args, engine)
+    finally:
+        engine.stop()
+    if args.with_hf:
+        bench_hf(args, engine.tokenizer)
+
+
+if __name__ == "__main__":
+    main()
