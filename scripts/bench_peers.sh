@@ -161,6 +161,9 @@ stop() {
     local pid; pid=$(cat "$pidfile")
     kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
     for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    # What is left of the group: a Python backend stub ignores SIGTERM and outlives a
+    # tritonserver that hit its exit timeout.
+    kill -9 -- "-$pid" 2>/dev/null || true
     rm -f "$pidfile"
 }
 
