@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -64,7 +65,10 @@ class TritonServer:
                "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
                "--exit-timeout-secs", "10"]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        # Its own process group, so stop() can also reap Python backend stubs that
+        # outlive a server which did not unload a model within its exit timeout.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
         deadline = time.time() + self.ready_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -96,8 +100,12 @@ class TritonServer:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server, if still up, and any stub left behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.log.close()
 
     # ---- metrics -------------------------------------------------------------------

@@ -93,7 +93,7 @@ def test_two_servers_and_a_prefill_killed_mid_transfer(default_model, tmp_path_f
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(stream_generate, a.grpc_url, "router", LONG * 3, max_tokens=8)
                 time.sleep(0.3)  # the long prompt is in prefill now
-                os.kill(b.proc.pid, signal.SIGKILL)
+                os.killpg(b.proc.pid, signal.SIGKILL)  # the server and its prefill engine process
                 start = time.monotonic()
                 result = pending.result(timeout=60)
             assert result.error, "a request whose prefill died must end with an error"
