@@ -35,6 +35,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check(k_cache.stride() == v_cache.stride(), "v_cache strides", k_cache.stride(), v_cache.stride())
     _check(k_cache.stride(-1) == 1, "k_cache last stride", 1, k_cache.stride(-1))
 
+def _check_attention_args(q, out, k_cache, v_cache, page_table) -> tuple[int, int, int, int]:
+    """Shapes shared by the decode and extend entry points; returns page_size, Hkv, D, Hq."""
+    _check_cache(k_cache, v_cache)
+    _, page_size, hkv, dim = k_cache.shape
+    _, hq, qd = q.shape
+    _check(qd == dim and hq % hkv == 0, "q", f"[T, k*{hkv}, {dim}]", tuple(q.shape))
+    _check(out.shape == q.shape, "out", tuple(q.shape), tuple(out.shape))
+    _check(q.stride(-1) == 1 and out.stride(-1) == 1, "q/out last stride", 1, (q.stride(-1), out.stride(-1)))
+    _check(page_table.dim() == 2 and page_table.stride(1) == 1, "page_table", "[B, pages], last stride 1",
+           (tuple(page_table.shape), page_table.stride()))
+    return page_size, hkv, dim, hq
+
+
 
 # --------------------------------------------------------------------------- store K/V
 
@@ -190,14 +203,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     The context of every decode is cut into num_splits equal spans (phase 1),
     merged by their log-sum-exp (phase 2).
     """
-    _check_cache(k_cache, v_cache)
-    _, page_size, hkv, dim = k_cache.shape
-    t, hq, qd = q.shape
-    _check(qd == dim and hq % hkv == 0, "q", f"[T, k*{hkv}, {dim}]", tuple(q.shape))
-    _check(out.shape == q.shape, "out", tuple(q.shape), tuple(out.shape))
-    _check(q.stride(-1) == 1 and out.stride(-1) == 1, "q/out last stride", 1, (q.stride(-1), out.stride(-1)))
-    _check(page_table.dim() == 2 and page_table.stride(1) == 1, "page_table", "[B, pages], last stride 1",
-           (tuple(page_table.shape), page_table.stride()))
+    page_size, hkv, dim, hq = _check_attention_args(q, out, k_cache, v_cache, page_table)
+    t = q.shape[0]
     _check(rows.shape == seqs.shape and rows.dim() == 1, "rows/seqs", "[Bd] each",
            (tuple(rows.shape), tuple(seqs.shape)))
     bd = rows.shape[0]
@@ -291,14 +298,7 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     cu_q [B + 1] int32: first row in q of every sequence (varlen batch);
     kv_lens [B] int32; page_table [B, max_pages] int32; max_q_len bounds the grid.
     """
-    _check_cache(k_cache, v_cache)
-    _, page_size, hkv, dim = k_cache.shape
-    _, hq, qd = q.shape
-    _check(qd == dim and hq % hkv == 0, "q", f"[T, k*{hkv}, {dim}]", tuple(q.shape))
-    _check(out.shape == q.shape, "out", tuple(q.shape), tuple(out.shape))
-    _check(q.stride(-1) == 1 and out.stride(-1) == 1, "q/out last stride", 1, (q.stride(-1), out.stride(-1)))
-    _check(page_table.dim() == 2 and page_table.stride(1) == 1, "page_table", "[B, pages], last stride 1",
-           (tuple(page_table.shape), page_table.stride()))
+    page_size, hkv, dim, hq = _check_attention_args(q, out, k_cache, v_cache, page_table)
     _check(cu_q.shape == (kv_lens.shape[0] + 1,), "cu_q", (kv_lens.shape[0] + 1,), tuple(cu_q.shape))
     be = seqs.shape[0]
     if be == 0 or max_q_len == 0:
