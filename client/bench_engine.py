@@ -141,6 +141,41 @@ def bench_hf(args, tokenizer) -> None:
                               runs_tok_s=[round(r, 1) for r in runs])), flush=True)
 
 
+def check_hf(args, engine: Engine) -> bool:
+    """Greedy ids of --check prompts, run concurrently in the engine, against transformers one by one."""
+    import queue
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = make_prompts(engine.tokenizer, args.check, args.prompt_tokens)
+    # EOS masked until min_tokens, as transformers' min_new_tokens does (ignore_eos would not mask it)
+    params = SamplingParams(max_tokens=args.output_tokens, min_tokens=args.output_tokens)
+    queues = [queue.Queue() for _ in prompts]
+    for ids, q in zip(prompts, queues):
+        engine.generate(ids, params, q.put)
+    got = []
+    for q in queues:
+        outs = [q.get(timeout=600)]
+        while not outs[-1].finished:
+            outs.append(q.get(timeout=600))
+        got.append([t for o in outs for t in o.token_ids])
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    same = 0
+    for i, (ids, mine) in enumerate(zip(prompts, got)):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=args.output_tokens,
+                                 min_new_tokens=args.output_tokens, pad_token_id=engine.tokenizer.eos_token_id)
+        ref = ref[0, len(ids):].tolist()
+        first = next((j for j, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        same += mine == ref
+        if mine != ref:
+            print(json.dumps(dict(prompt=i, first_difference=first)), flush=True)
+    print(json.dumps(dict(check=len(prompts), identical_to_transformers=same)), flush=True)
+    return same == len(prompts)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m client.bench_engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
@@ -151,6 +186,8 @@ def parse_args(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
                     help="engine knob, as in config.pbtxt (repeatable)")
     ap.add_argument("--with-hf", action="store_true", help="also time transformers generate (batch 1, 8)")
+    ap.add_argument("--check", type=int, default=0, metavar="N",
+                    help="instead of timing, compare the greedy ids of N concurrent requests with transformers")
     return ap.parse_args(argv)
 
 
@@ -162,6 +199,9 @@ def main(argv=None) -> None:
     engine = Engine(cfg).start()
     print(json.dumps(dict(load_s=round(time.perf_counter() - t0, 1), knobs=knobs)), flush=True)
     try:
+        if args.check:
+            ok = check_hf(args, engine)
+            raise SystemExit(0 if ok else 1)
         bench_engine(args, engine)
     finally:
         engine.stop()

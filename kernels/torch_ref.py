@@ -132,7 +132,7 @@ class TorchAttention(AttentionBackend):
         vd = v_cache.index_select(0, d.pages).view(bd, -1, hkv, dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.reshape(bd, hkv, hq // hkv, dim), kd, vd, attn_mask=mask,
                                            scale=scale)
-        return o.view(bd, hq, dim)
+        return o.reshape(bd, hq, dim)
 
     @staticmethod
     def _extend(q, k_cache, v_cache, plan: TorchPlan, i: int, scale: float, new_kv) -> torch.Tensor:
