@@ -28,7 +28,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata={"doc": "auto (cuda if present, else cpu), cpu, cuda or cuda:N"})
     dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu), float32, bfloat16 or float16"})
     attention_backend: str = field(default="auto", metadata={
-        "doc": "auto (flashinfer on a GPU where it imports, else torch), torch, triton or flashinfer"})
+        "doc": "auto (GPU: flashinfer where it imports, else torch; CPU: the C decode kernel where it builds, "
+               "else torch), torch, cpu, triton or flashinfer"})
     page_size: int = field(default=16, metadata={"doc": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={
         "doc": "KV pages in the pool; 0 = enough for max_running_requests full contexts, capped by kv_memory_gb"})

@@ -11,7 +11,7 @@ import torch
 
 from kernels.base import AttentionBackend, AttentionMetadata
 
-BACKENDS = ("auto", "torch", "triton", "flashinfer")
+BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -21,6 +21,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
         return "flashinfer"
+    if device.type == "cpu":
+        from kernels import cpu_backend
+        return "cpu" if cpu_backend.available() else "torch"
     return "torch"
 
 
@@ -29,6 +32,9 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         from kernels.torch_ref import TorchAttention
         return TorchAttention()
+    if name == "cpu":
+        from kernels.cpu_backend import CpuAttention
+        return CpuAttention()
     if name == "triton":
         from kernels.triton_backend import TritonAttention
         return TritonAttention()

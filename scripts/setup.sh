@@ -10,10 +10,10 @@ PY=${PYTHON:-python3}
 VENV=$ROOT/.venv
 STAMP=$VENV/.tandem-setup
 
-if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d; then
-    echo "== apt: libb64-0d (perf_analyzer needs it)"
+if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d || ! command -v gcc >/dev/null; then
+    echo "== apt: libb64-0d (perf_analyzer needs it), gcc (the CPU attention kernel)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d >/dev/null
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d gcc >/dev/null
 fi
 
 if [ ! -f "$STAMP" ] || [ requirements.txt -nt "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then

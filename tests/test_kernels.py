@@ -366,3 +366,97 @@ def test_serving_greedy_identical_torch_and_triton(checkpoint):
         finally:
             engine.stop()
     assert results["triton"] == results["torch"]
+
+
+# --------------------------------------------------------------------------- the CPU decode kernel
+
+
+def cpu_backend():
+    from kernels.cpu_backend import CpuAttention
+
+    return CpuAttention()
+
+
+@pytest.mark.parametrize("page_size,group,dim", [(1, 1, 16), (16, 3, 64), (3, 4, 128), (5, 2, 40)])
+def test_cpu_decode(page_size, group, dim):
+    """Decodes of mixed lengths (1 token, page-sized, long) against the reference, fp32;
+    dims 64 and 128 take the kernel's unrolled paths, the others its general one."""
+    kv_lens = [1, page_size, 2 * page_size + 1, 300, 17]
+    pool = sum(math.ceil(kv / page_size) for kv in kv_lens) + 5
+    meta = make_meta([1] * 5, kv_lens, page_size, pool, seed=dim)
+    check_against_reference(cpu_backend(), meta, *make_tensors(meta, pool, 2 * group, 2, dim, torch.float32, "cpu"),
+                            "cpu")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_random_batches(seed):
+    """Decodes mixed with prefills and chunks (those keep the SDPA path), shared pages."""
+    g = torch.Generator().manual_seed(200 + seed)
+    q_lens, kv_lens = [], []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
+        kv = int(torch.randint(1, 70, (1,), generator=g))
+        q = [1, kv, max(1, kv // 3)][int(torch.randint(3, (1,), generator=g))]
+        q_lens.append(q)
+        kv_lens.append(kv)
+    page_size, hkv = [1, 4, 16][seed % 3], 1 + seed % 3
+    pool = sum(math.ceil(kv / page_size) for kv in kv_lens) + 3
+    meta = make_meta(q_lens, kv_lens, page_size, pool, seed=seed)
+    check_against_reference(cpu_backend(), meta, *make_tensors(meta, pool, 2 * hkv, hkv, 64, torch.float32, "cpu",
+                                                               seed=seed), "cpu")
+
+
+def test_cpu_strided_q_and_other_dtypes():
+    """q as a view of a fused projection goes to the kernel; bf16 takes the torch path."""
+    meta = make_meta([1, 1], [20, 3], 4, num_pages=8)
+    q, k, v, kv = make_tensors(meta, 8, 4, 2, 64, torch.float32, "cpu")
+    strided = torch.cat([q, k, v], dim=1)[:, :4]
+    check_against_reference(cpu_backend(), meta, strided, k, v, kv, "cpu")
+    check_against_reference(cpu_backend(), meta, *make_tensors(meta, 8, 4, 2, 64, torch.bfloat16, "cpu"), "cpu")
+
+
+def test_cpu_kernel_cache_rebuilds_for_another_source(tmp_path, monkeypatch):
+    """The library is keyed by its source: an edited kernel is compiled, not an old one loaded."""
+    from kernels import cpu_backend as cb
+
+    first = cb.build(tmp_path)
+    assert first.exists() and cb.build(tmp_path) == first
+    edited = tmp_path / "decode_attention.c"
+    edited.write_text(cb.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(cb, "SOURCE", edited)
+    assert cb.build(tmp_path) != first
+
+
+def test_cpu_kernel_build_error_is_reported(tmp_path, monkeypatch):
+    from kernels import cpu_backend as cb
+
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f( {")
+    monkeypatch.setattr(cb, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="failed"):
+        cb.build(tmp_path)
+
+
+def test_auto_picks_cpu_kernel_on_cpu():
+    from kernels import resolve_backend_name
+
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+
+
+def test_serving_greedy_identical_torch_and_cpu(checkpoint):
+    """The whole engine on a tiny checkpoint: the C decode kernel streams exactly the
+    torch backend's greedy tokens (long enough for decodes over several pages)."""
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine, token_ids
+    from tests.test_model_parity import prompts
+
+    batch = prompts(4)
+    params = SamplingParams(max_tokens=40, min_tokens=40)
+    results = {}
+    for backend in ("torch", "cpu"):
+        engine = small_engine(checkpoint("llama"), attention_backend=backend)
+        assert engine.runner.attention_backend == backend
+        try:
+            results[backend] = [token_ids(o) for o in collect(engine, batch, params, timeout_s=600)]
+        finally:
+            engine.stop()
+    assert results["cpu"] == results["torch"]
