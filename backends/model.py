@@ -3,7 +3,8 @@
 Plain tensors and functional ops, no nn.Module tree: the per-layer Python work
 is a handful of calls, which matters on a 2-core CPU. q/k/v and gate/up are
 fused into one matmul each at load time; every matmul goes through the one
-`linear` the device gets (see `pick_linear`).
+`linear` op the device and dtype get (kernels.linear), which also decides how
+the weights are stored.
 """
 from __future__ import annotations
 
@@ -19,35 +20,22 @@ from safetensors import safe_open
 
 from backends.model_config import ModelConfig, rope_inv_freq
 from kernels import AttentionBackend
+from kernels.linear import pick_linear
 
 
 @dataclass
 class LayerWeights:
+    """Matmul weights (qkv, o_proj, gate_up, down) are as the linear op prepared them."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor            # [(Hq + 2 Hkv) * D, hidden]
+    qkv: object                  # [(Hq + 2 Hkv) * D, hidden] before prepare
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: object
     post_norm: torch.Tensor
-    gate_up: torch.Tensor        # [2 * intermediate, hidden]
-    down: torch.Tensor
-
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear through oneDNN's inner product, full fp32 (error vs fp64 ~1e-6 relative, as MKL's).
-
-    On this AMD CPU MKL takes its AVX2 path while oneDNN picks AVX-512 by ISA: measured
-    on the default model's shapes, 1.5x faster at 1 token (36 GB/s of weights, the memory
-    roofline, against 24) and 2-2.5x at 8-128 tokens (160-390 GFLOP/s against 65-170)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def pick_linear(device: torch.device, dtype: torch.dtype) -> Callable:
-    """oneDNN on CPU for the dtypes it computes (fp32, bf16; not fp16), F.linear elsewhere."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
-        return onednn_linear
-    return F.linear
+    gate_up: object              # [2 * intermediate, hidden] before prepare
+    down: object
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,30 +62,30 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype):
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.linear = pick_linear(device, dtype)
         get = lambda name: weights.pop(name).to(device=device, dtype=dtype).contiguous()
         self.embed = get("model.embed_tokens.weight")
         self.layers = [self._layer(get, weights, i) for i in range(cfg.num_layers)]
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights \
-            else get("lm_head.weight")
-        self.linear = pick_linear(device, dtype)
+        self.lm_head = self.linear.prepare(
+            self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight"))
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def _layer(self, get, weights, i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
+        p, mm = f"model.layers.{i}.", self.linear.prepare
         qkv = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) \
             if self.cfg.qkv_bias else None
         norm = (lambda n: get(p + f"self_attn.{n}_norm.weight")) if self.cfg.qk_norm else (lambda n: None)
         return LayerWeights(
-            input_norm=get(p + "input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
-            q_norm=norm("q"), k_norm=norm("k"), o_proj=get(p + "self_attn.o_proj.weight"),
+            input_norm=get(p + "input_layernorm.weight"), qkv=mm(qkv), qkv_bias=bias,
+            q_norm=norm("q"), k_norm=norm("k"), o_proj=mm(get(p + "self_attn.o_proj.weight")),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-            down=get(p + "mlp.down_proj.weight"))
+            gate_up=mm(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+            down=mm(get(p + "mlp.down_proj.weight")))
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed_sin [T, 1, D] (see apply_rope)."""

@@ -1,0 +1,72 @@
+"""Build and load the C kernels of kernels/csrc for the CPU this process runs on.
+
+Each source is compiled on first use with the machine's C compiler (-march=native,
+OpenMP) into a cache keyed by the source, the flags and the CPU, and opened with
+ctypes: no torch headers, about a second per file. The OpenMP team is torch's:
+torch is imported first, so its libgomp.so.1 is the one the library binds to and
+the kernels never compete with a second thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import torch  # noqa: F401  (before any library: see the module docstring)
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "tandem"
+
+
+def _cpu_id() -> bytes:
+    """The CPU's model and flags: a library built with -march=native is only valid there."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b""
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
+
+
+def build(source: Path, out_dir: Path | None = None) -> Path:
+    """Compile `source` unless this source, these flags and this CPU have a library; its path."""
+    cc = os.environ.get("CC", "gcc")
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
+    lib = (out_dir or cache_dir()) / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    done = subprocess.run([cc, *FLAGS, str(source), "-o", str(tmp), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {source.name} with {cc} failed:\n{done.stderr.strip()}")
+    os.replace(tmp, lib)  # atomic: engines starting together never load a half-written file
+    return lib
+
+
+@lru_cache(maxsize=None)
+def load(name: str, argtypes: tuple) -> ctypes.CDLL:
+    """csrc/<name>.c built and opened; its function <name>_f32 gets `argtypes` and returns int."""
+    lib = ctypes.CDLL(str(build(CSRC / f"{name}.c")))
+    fn = getattr(lib, f"{name}_f32")
+    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return lib
+
+
+def available(name: str, argtypes: tuple) -> bool:
+    try:
+        load(name, argtypes)
+        return True
+    except (OSError, RuntimeError) as exc:
+        log.warning("C kernel %s unavailable: %s", name, exc)
+        return False

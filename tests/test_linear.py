@@ -1,0 +1,53 @@
+"""The model's matmul ops (kernels.linear) against fp64, and which one a device gets."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.linear import PANEL, OnednnLinear, PanelLinear, TorchLinear, pick_linear
+
+HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read()
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="panel GEMM needs AVX-512")
+
+
+def check(op, x, weight, bias=None, tol=2e-6):
+    ref = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    got = op(x, op.prepare(weight), bias)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert ref.numel() == 0 or ((got.double() - ref).abs().max() / ref.abs().max().clamp(min=1)) < tol
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 8, 9, 16, 17, 130])
+@pytest.mark.parametrize("out_features", [1, PANEL - 1, PANEL, PANEL + 1, 200])
+def test_panel_gemm_matches_fp64(rows, out_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x, w = torch.randn(rows, 37, generator=g), torch.randn(out_features, 37, generator=g)
+    check(PanelLinear(), x, w)
+
+
+@needs_avx512
+def test_panel_gemm_strided_batched_and_bias():
+    """x as a view with a row stride (the SiLU-gated half of gate_up), a 3-D x, and a bias."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)
+    wide = torch.randn(9, 128, generator=g)
+    check(PanelLinear(), wide[:, :64], w, b)
+    op = PanelLinear()
+    x3 = torch.randn(2, 5, 64, generator=g)
+    torch.testing.assert_close(op(x3, op.prepare(w)), op(x3.reshape(10, 64), op.prepare(w)).view(2, 5, 100))
+    check(PanelLinear(), wide[:, ::2], w)  # last stride 2: copied first
+
+
+def test_onednn_and_torch_match_fp64():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(5, 70, generator=g), torch.randn(33, 70, generator=g), torch.randn(33, generator=g)
+    check(OnednnLinear(), x, w, b)
+    check(TorchLinear(), x, w, b)
+
+
+def test_pick_linear():
+    assert pick_linear(torch.device("cuda"), torch.float32).name == "torch"
+    assert pick_linear(torch.device("cpu"), torch.bfloat16).name == "onednn"
+    assert pick_linear(torch.device("cpu"), torch.float16).name == "torch"
+    assert pick_linear(torch.device("cpu"), torch.float32).name == ("panel" if HAS_AVX512 else "onednn")
