@@ -414,26 +414,25 @@ def test_cpu_strided_q_and_other_dtypes():
     check_against_reference(cpu_backend(), meta, *make_tensors(meta, 8, 4, 2, 64, torch.bfloat16, "cpu"), "cpu")
 
 
-def test_cpu_kernel_cache_rebuilds_for_another_source(tmp_path, monkeypatch):
+def test_cpu_kernel_cache_rebuilds_for_another_source(tmp_path):
     """The library is keyed by its source: an edited kernel is compiled, not an old one loaded."""
-    from kernels import cpu_backend as cb
+    from kernels import cbuild
 
-    first = cb.build(tmp_path)
-    assert first.exists() and cb.build(tmp_path) == first
+    source = cbuild.CSRC / "decode_attention.c"
+    first = cbuild.build(source, tmp_path)
+    assert first.exists() and cbuild.build(source, tmp_path) == first
     edited = tmp_path / "decode_attention.c"
-    edited.write_text(cb.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(cb, "SOURCE", edited)
-    assert cb.build(tmp_path) != first
+    edited.write_text(source.read_text() + "\n/* edited */\n")
+    assert cbuild.build(edited, tmp_path) != first
 
 
-def test_cpu_kernel_build_error_is_reported(tmp_path, monkeypatch):
-    from kernels import cpu_backend as cb
+def test_cpu_kernel_build_error_is_reported(tmp_path):
+    from kernels import cbuild
 
     broken = tmp_path / "broken.c"
     broken.write_text("int f( {")
-    monkeypatch.setattr(cb, "SOURCE", broken)
-    with pytest.raises(RuntimeError, match="failed"):
-        cb.build(tmp_path)
+    with pytest.raises(RuntimeError, match="broken.c with .* failed"):
+        cbuild.build(broken, tmp_path)
 
 
 def test_auto_picks_cpu_kernel_on_cpu():
