@@ -35,6 +35,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check(k_cache.stride() == v_cache.stride(), "v_cache strides", k_cache.stride(), v_cache.stride())
     _check(k_cache.stride(-1) == 1, "k_cache last stride", 1, k_cache.stride(-1))
 
+
 def _check_attention_args(q, out, k_cache, v_cache, page_table) -> tuple[int, int, int, int]:
     """Shapes shared by the decode and extend entry points; returns page_size, Hkv, D, Hq."""
     _check_cache(k_cache, v_cache)
@@ -46,7 +47,6 @@ def _check_attention_args(q, out, k_cache, v_cache, page_table) -> tuple[int, in
     _check(page_table.dim() == 2 and page_table.stride(1) == 1, "page_table", "[B, pages], last stride 1",
            (tuple(page_table.shape), page_table.stride()))
     return page_size, hkv, dim, hq
-
 
 
 # --------------------------------------------------------------------------- store K/V

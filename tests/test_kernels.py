@@ -348,24 +348,26 @@ def test_flashinfer_refuses_cpu():
         FlashinferAttention("cpu")
 
 
-def test_serving_greedy_identical_torch_and_triton(checkpoint):
-    """The whole engine on a tiny checkpoint: the triton backend (interpreter on
-    CPU) streams exactly the torch backend's greedy tokens."""
+def serving_tokens(path: str, backend: str, num_prompts: int, max_tokens: int) -> list[list[int]]:
+    """Greedy ids the whole engine streams for the first test prompts, on one attention backend."""
     from backends.request import SamplingParams
     from tests.engine_utils import collect, small_engine, token_ids
     from tests.test_model_parity import prompts
 
-    batch = prompts(3)
-    params = SamplingParams(max_tokens=12, min_tokens=12)
-    results = {}
-    for backend in ("torch", "triton"):
-        engine = small_engine(checkpoint("qwen3"), attention_backend=backend)
-        assert engine.runner.attention_backend == backend
-        try:
-            results[backend] = [token_ids(o) for o in collect(engine, batch, params, timeout_s=600)]
-        finally:
-            engine.stop()
-    assert results["triton"] == results["torch"]
+    engine = small_engine(path, attention_backend=backend)
+    assert engine.runner.attention_backend == backend
+    try:
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)
+        return [token_ids(o) for o in collect(engine, prompts(num_prompts), params, timeout_s=600)]
+    finally:
+        engine.stop()
+
+
+def test_serving_greedy_identical_torch_and_triton(checkpoint):
+    """The whole engine on a tiny checkpoint: the triton backend (interpreter on
+    CPU) streams exactly the torch backend's greedy tokens."""
+    path = checkpoint("qwen3")
+    assert serving_tokens(path, "triton", 3, 12) == serving_tokens(path, "torch", 3, 12)
 
 
 # --------------------------------------------------------------------------- the CPU decode kernel
@@ -444,18 +446,5 @@ def test_auto_picks_cpu_kernel_on_cpu():
 def test_serving_greedy_identical_torch_and_cpu(checkpoint):
     """The whole engine on a tiny checkpoint: the C decode kernel streams exactly the
     torch backend's greedy tokens (long enough for decodes over several pages)."""
-    from backends.request import SamplingParams
-    from tests.engine_utils import collect, small_engine, token_ids
-    from tests.test_model_parity import prompts
-
-    batch = prompts(4)
-    params = SamplingParams(max_tokens=40, min_tokens=40)
-    results = {}
-    for backend in ("torch", "cpu"):
-        engine = small_engine(checkpoint("llama"), attention_backend=backend)
-        assert engine.runner.attention_backend == backend
-        try:
-            results[backend] = [token_ids(o) for o in collect(engine, batch, params, timeout_s=600)]
-        finally:
-            engine.stop()
-    assert results["cpu"] == results["torch"]
+    path = checkpoint("llama")
+    assert serving_tokens(path, "cpu", 4, 40) == serving_tokens(path, "torch", 4, 40)
