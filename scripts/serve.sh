@@ -4,9 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .venv/bin/activate
-tritonserver --model-repository model_repository "${@:2}" &
+# Its own process group: tritonserver 2.51 sometimes never sends a Python model its finalize
+# (triton-inference-server/server#8755), exits after its 30 s exit timeout and leaves that
+# model's stub running; killing the group at the end reaps it.
+setsid tritonserver --model-repository model_repository "${@:2}" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT INT TERM
+stop_server() {
+    local rc=0
+    kill $SERVER 2>/dev/null && { wait $SERVER 2>/dev/null || rc=$?; }
+    kill -9 -- -$SERVER 2>/dev/null || true
+    return $rc
+}
+trap stop_server EXIT INT TERM
 for _ in $(seq 1 300); do
     curl -sf localhost:8000/v2/health/ready >/dev/null 2>&1 && break
     kill -0 $SERVER 2>/dev/null || { echo "tritonserver exited" >&2; exit 1; }
