@@ -20,10 +20,22 @@ def check(op, x, weight, bias=None, tol=2e-6):
 @needs_avx512
 @pytest.mark.parametrize("rows", [0, 1, 2, 7, 8, 9, 16, 17, 130])
 @pytest.mark.parametrize("out_features", [1, PANEL - 1, PANEL, PANEL + 1, 200])
-def test_panel_gemm_matches_fp64(rows, out_features):
+@pytest.mark.parametrize("in_features", [37, 150])  # one k block, and 64 + 64 + 22 (over 8 rows)
+def test_panel_gemm_matches_fp64(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x, w = torch.randn(rows, 37, generator=g), torch.randn(out_features, 37, generator=g)
+    x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
     check(PanelLinear(), x, w)
+
+
+@needs_avx512
+def test_panel_gemm_rows_do_not_depend_on_the_batch():
+    """Every output is one FMA chain over k in order, so a row's result is bit-identical
+    alone and in a batch that k-blocks (a token's logits must not depend on its batch)."""
+    g = torch.Generator().manual_seed(3)
+    op, x = PanelLinear(), torch.randn(21, 200, generator=g)
+    w = op.prepare(torch.randn(100, 200, generator=g))
+    together = op(x, w)
+    assert all(torch.equal(together[i], op(x[i:i + 1], w)[0]) for i in range(21))
 
 
 @needs_avx512
