@@ -4,7 +4,8 @@ Plain tensors and functional ops, no nn.Module tree: the per-layer Python work
 is a handful of calls, which matters on a 2-core CPU. q/k/v and gate/up are
 fused into one matmul each at load time; every matmul goes through the one
 `linear` op the device and dtype get (kernels.linear), which also decides how
-the weights are stored.
+the weights are stored, and the ops between them (residual add + RMSNorm, rotary
+embedding, SiLU gate) through `ops` (kernels.layer_ops): one C call each on a CPU.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from backends.model_config import ModelConfig, rope_inv_freq
 from kernels import AttentionBackend
+from kernels.layer_ops import pick_ops, rms_norm
 from kernels.linear import pick_linear
 
 
@@ -38,31 +40,12 @@ class LayerWeights:
     down: object
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        # One fused op, bit-identical to the composite below in fp32 (checked), a third faster.
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # Same order of operations as transformers' LlamaRMSNorm (fp32 variance, cast, then weight).
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos, signed_sin [T, 1, D] from `LlamaModel.rope_tables`.
-
-    transformers computes x * cos + cat(-x2, x1) * sin; with sin's first half negated
-    once per step, cat(-x2, x1) * sin == roll(x, D/2) * signed_sin bit for bit, in
-    four ops instead of seven. (No addcmul: its fused multiply-add rounds differently.)"""
-    rotated = x.roll(x.shape[-1] // 2, -1).mul_(signed_sin)
-    return rotated.add_(x * cos)
-
-
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.linear = pick_linear(device, dtype)
+        self.ops = pick_ops(device, dtype)
         get = lambda name: weights.pop(name).to(device=device, dtype=dtype).contiguous()
         self.embed = get("model.embed_tokens.weight")
         self.layers = [self._layer(get, weights, i) for i in range(cfg.num_layers)]
@@ -88,7 +71,7 @@ class LlamaModel:
             down=mm(get(p + "mlp.down_proj.weight")))
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed_sin [T, 1, D] (see apply_rope)."""
+        """cos, signed_sin [T, 1, D] (see kernels.layer_ops.apply_rope)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         sin = emb.sin()
@@ -103,38 +86,32 @@ class LlamaModel:
 
         `after_layer(i)` runs once layer i's KV is in the cache (the prefill side
         of a hand-off posts its layer-group writes from there)."""
-        cfg = self.cfg
-        h = F.embedding(input_ids, self.embed)
+        eps, ops = self.cfg.rms_norm_eps, self.ops
+        residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = self.rope_tables(positions)
-        residual = None
+        h = None
         for i, w in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-            else:
-                residual.add_(h)  # in place: residual is this forward's own tensor
-                x = rms_norm(residual, w.input_norm, cfg.rms_norm_eps)
+            x = ops.add_rms_norm(residual, h, w.input_norm, eps)
             h = self._attention(x, w, kv[i], cos, sin, attn, plan)
-            residual.add_(h)
-            x = rms_norm(residual, w.post_norm, cfg.rms_norm_eps)
-            gate, up = self.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = self.linear(F.silu(gate, inplace=True).mul_(up), w.down)  # gate is a view of a temporary
+            x = ops.add_rms_norm(residual, h, w.post_norm, eps)
+            h = self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
             if after_layer is not None:
                 after_layer(i)
-        last = residual[logit_rows].add_(h[logit_rows])
-        return self.linear(rms_norm(last, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        last = ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
+        return self.linear(last, self.lm_head).float()
 
     def _attention(self, x, w: LayerWeights, kv_layer, cos, sin, attn, plan) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         qkv = self.linear(x, w.qkv, w.qkv_bias)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is None:  # q and k heads share the rotation: one rope over both
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), cos, sin)
+            qk = self.ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         else:
             q = rms_norm(qkv[:, :self.q_size].view(t, cfg.num_heads, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim),
                          w.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         o = attn.forward(q, k, v, kv_layer[0], kv_layer[1], plan, self.scale)
         return self.linear(o.reshape(t, self.q_size), w.o_proj)
 

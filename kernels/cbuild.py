@@ -39,9 +39,11 @@ def _cpu_id() -> bytes:
 
 
 def build(source: Path, out_dir: Path | None = None) -> Path:
-    """Compile `source` unless this source, these flags and this CPU have a library; its path."""
+    """Compile `source` unless this source, its directory's headers, these flags and this CPU
+    have a library; its path."""
     cc = os.environ.get("CC", "gcc")
-    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
     lib = (out_dir or cache_dir()) / f"{source.stem}-{key}.so"
     if lib.exists():
         return lib
@@ -55,17 +57,22 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
 
 
 @lru_cache(maxsize=None)
-def load(name: str, argtypes: tuple) -> ctypes.CDLL:
-    """csrc/<name>.c built and opened; its function <name>_f32 gets `argtypes` and returns int."""
-    lib = ctypes.CDLL(str(build(CSRC / f"{name}.c")))
-    fn = getattr(lib, f"{name}_f32")
-    fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+def _open(name: str) -> ctypes.CDLL:
+    return ctypes.CDLL(str(build(CSRC / f"{name}.c")))
+
+
+def load(name: str, signatures: dict[str, tuple]) -> ctypes.CDLL:
+    """csrc/<name>.c built and opened; each function of `signatures` (name -> argtypes)
+    declared, all of them returning int."""
+    lib = _open(name)
+    for fn, argtypes in signatures.items():
+        getattr(lib, fn).argtypes, getattr(lib, fn).restype = list(argtypes), ctypes.c_int
     return lib
 
 
-def available(name: str, argtypes: tuple) -> bool:
+def available(name: str, signatures: dict[str, tuple]) -> bool:
     try:
-        load(name, argtypes)
+        load(name, signatures)
         return True
     except (OSError, RuntimeError) as exc:
         log.warning("C kernel %s unavailable: %s", name, exc)

@@ -18,6 +18,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 PANEL = 48  # columns per packed panel; csrc/panel_gemm.c's PANEL
 # x, ldx, packed weight, M, N, K, y
 ARGTYPES = (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr)
+SIGNATURES = {"panel_gemm_f32": ARGTYPES}
 
 
 class TorchLinear:
@@ -57,7 +58,7 @@ class PanelLinear:
     def __init__(self):
         from kernels import cbuild
 
-        self._kernel = cbuild.load("panel_gemm", ARGTYPES).panel_gemm_f32
+        self._kernel = cbuild.load("panel_gemm", SIGNATURES).panel_gemm_f32
 
     def prepare(self, weight: torch.Tensor) -> PackedWeight:
         return pack(weight.float())
@@ -87,7 +88,7 @@ def pick_linear(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         from kernels import cbuild
 
-        if cbuild.available("panel_gemm", ARGTYPES):
+        if cbuild.available("panel_gemm", SIGNATURES):
             panel = PanelLinear()
             if panel.runs_here():
                 return panel

@@ -417,15 +417,21 @@ def test_cpu_strided_q_and_other_dtypes():
 
 
 def test_cpu_kernel_cache_rebuilds_for_another_source(tmp_path):
-    """The library is keyed by its source: an edited kernel is compiled, not an old one loaded."""
+    """The library is keyed by its source and the headers beside it: after an edit of either
+    the kernel is compiled, not an old library loaded."""
     from kernels import cbuild
 
-    source = cbuild.CSRC / "decode_attention.c"
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("decode_attention.c", "vexp.h"):
+        (src / name).write_text((cbuild.CSRC / name).read_text())
+    source, header = src / "decode_attention.c", src / "vexp.h"
     first = cbuild.build(source, tmp_path)
     assert first.exists() and cbuild.build(source, tmp_path) == first
-    edited = tmp_path / "decode_attention.c"
-    edited.write_text(source.read_text() + "\n/* edited */\n")
-    assert cbuild.build(edited, tmp_path) != first
+    source.write_text(source.read_text() + "\n/* edited */\n")
+    second = cbuild.build(source, tmp_path)
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert second != first and cbuild.build(source, tmp_path) not in (first, second)
 
 
 def test_cpu_kernel_build_error_is_reported(tmp_path):

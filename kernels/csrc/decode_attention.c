@@ -17,32 +17,12 @@
 #include <string.h>
 #include <omp.h>
 
-/* exp(x) for x <= 0 (scores minus their max), within 2 ulp of expf: Cephes' range
- * reduction and polynomial, written without branches or libm calls so the softmax
- * loop vectorizes (glibc's vector expf needs -ffast-math, which would also drop the
- * IEEE semantics of the dot products' infinities). Below -87.3 it returns ~1e-38. */
-static inline float exp_nonpositive(float x)
-{
-    const float round_magic = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer */
-    x = x < -87.3f ? -87.3f : x;
-    const float shifted = x * 1.44269504088896341f + round_magic;
-    const float n = shifted - round_magic;
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    int32_t bits;
-    memcpy(&bits, &shifted, sizeof bits); /* low mantissa bits hold n */
-    bits = (bits - 0x4B400000 + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "vexp.h"
+
+/* Rows are fetched this many tokens ahead: a row is a head's slice of a slot, so the
+ * hardware prefetcher sees a strided walk through scattered pages. 16 sequences x 192
+ * tokens, 30 layers of K/V (141 MB): 12 -> 6 ms. */
+enum { PREFETCH = 16 };
 
 /* offsets[t]: where token t's row of this KV head starts, walking the pages one at a
  * time (no division per token, and both passes below reuse it). */
@@ -63,6 +43,9 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
 {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + offsets[t];
+        if (t + PREFETCH < len)
+            for (int64_t c = 0; c < dim; c += 16)
+                __builtin_prefetch(k_cache + offsets[t + PREFETCH] + c);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * dim;
             float acc = 0.f;
@@ -79,7 +62,7 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
             max = s[t] > max ? s[t] : max;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; t++) {
-            s[t] = exp_nonpositive(s[t] - max);
+            s[t] = vexp(s[t] - max);
             sum += s[t];
         }
         const float inv = 1.f / sum;
@@ -90,6 +73,9 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
     }
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_cache + offsets[t];
+        if (t + PREFETCH < len)
+            for (int64_t c = 0; c < dim; c += 16)
+                __builtin_prefetch(v_cache + offsets[t + PREFETCH] + c);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * len + t];
             float *o = out + g * dim;

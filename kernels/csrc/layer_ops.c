@@ -1,0 +1,103 @@
+/* The small per-layer ops of a decoder between its matmuls, fp32, one call each.
+ *
+ * In a decode step each of these is a few thousand floats, so in torch their time
+ * was dispatch, not arithmetic: about twenty ops a layer, 3.5 ms of a 26 ms step at
+ * 16 sequences on the default model. Here the residual add and RMSNorm are one pass,
+ * rotary embedding is done in place on the fused q|k|v rows, the K/V store is one
+ * copy per token, and the SiLU gate is one pass writing the down projection's input.
+ *
+ * The arithmetic keeps transformers' order (x * rsqrt(mean(x^2) + eps), then * weight;
+ * x * cos + rotate_half(x) * sin; silu(g) * u) and no multiply-add is fused into an FMA
+ * (fp-contract off below): the matmuls and the attention are where rounding differs.
+ * Reductions (the sum of squares) run in vector order, so a norm is within an ulp or two
+ * of torch's, not bit-identical. Small inputs run on the calling thread: a parallel
+ * region costs more than the work below about 64K floats.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vexp.h"
+
+#define NOCONTRACT __attribute__((optimize("fp-contract=off")))
+enum { PARALLEL_MIN = 1 << 16 };
+
+/* residual += h (h may be NULL), then out = rms_norm(residual) * weight; all [rows, dim]
+ * contiguous. */
+NOCONTRACT int add_rms_norm_f32(float *residual, const float *h, const float *weight, float *out, int64_t rows,
+                                int64_t dim, float eps)
+{
+#pragma omp parallel for if (rows * dim >= PARALLEL_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = residual + r * dim;
+        float *y = out + r * dim;
+        if (h) {
+            const float *hr = h + r * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++)
+                x[d] += hr[d];
+        }
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t d = 0; d < dim; d++)
+            squares += x[d] * x[d];
+        const float inv = 1.f / sqrtf(squares / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++)
+            y[d] = weight[d] * (x[d] * inv);
+    }
+    return 0;
+}
+
+/* Rotary embedding in place on `heads` heads of each row: x [rows, heads, dim] with row
+ * stride ld (floats; the heads of a row contiguous). cos, signed_sin [rows, dim], sin's
+ * first half negated, so x * cos + rotate_half(x) * sin == x * cos + roll(x) * signed_sin. */
+NOCONTRACT int rope_f32(float *x, int64_t ld, int64_t rows, int64_t heads, int64_t dim, const float *cos,
+                        const float *signed_sin)
+{
+    const int64_t half = dim / 2;
+#pragma omp parallel for if (rows * heads * dim >= PARALLEL_MIN) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * dim, *s = signed_sin + r * dim;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *v = x + r * ld + hd * dim;
+            float first[half];
+            memcpy(first, v, half * sizeof(float));
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++)
+                v[d] = v[d] * c[d] + v[d + half] * s[d];
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++)
+                v[d + half] = v[d + half] * c[d + half] + first[d] * s[d + half];
+        }
+    }
+    return 0;
+}
+
+/* k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]: k, v [rows, width] with row strides
+ * k_ld, v_ld; the caches [slots, width] contiguous. */
+int store_kv_f32(const float *k, int64_t k_ld, const float *v, int64_t v_ld, const int64_t *slots, int64_t rows,
+                 int64_t width, float *k_cache, float *v_cache)
+{
+#pragma omp parallel for if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * k_ld, width * sizeof(float));
+        memcpy(v_cache + slots[t] * width, v + t * v_ld, width * sizeof(float));
+    }
+    return 0;
+}
+
+/* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; gate_up [rows, 2 * inter],
+ * out [rows, inter], both contiguous. */
+NOCONTRACT int silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, float *out)
+{
+#pragma omp parallel for if (rows * inter >= PARALLEL_MIN / 4) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *y = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++)
+            y[i] = g[i] / (1.f + vexp(-g[i])) * u[i];
+    }
+    return 0;
+}
