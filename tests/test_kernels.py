@@ -379,10 +379,12 @@ def cpu_backend():
     return CpuAttention()
 
 
-@pytest.mark.parametrize("page_size,group,dim", [(1, 1, 16), (16, 3, 64), (3, 4, 128), (5, 2, 40)])
+@pytest.mark.parametrize("page_size,group,dim", [(1, 1, 16), (16, 3, 64), (3, 4, 128), (5, 2, 40), (4, 9, 32),
+                                                 (2, 7, 64)])
 def test_cpu_decode(page_size, group, dim):
-    """Decodes of mixed lengths (1 token, page-sized, long) against the reference, fp32;
-    dims 64 and 128 take the kernel's unrolled paths, the others its general one."""
+    """Decodes of mixed lengths (1 token, page-sized, long, not multiples of 16) against the
+    reference, fp32. Dims 32, 64 and 128 take the AVX-512 path (its groups of 4, 7 and 9
+    query heads need 2 passes over V), the others the general one."""
     kv_lens = [1, page_size, 2 * page_size + 1, 300, 17]
     pool = sum(math.ceil(kv / page_size) for kv in kv_lens) + 5
     meta = make_meta([1] * 5, kv_lens, page_size, pool, seed=dim)

@@ -3,9 +3,12 @@
  * Reads K/V straight from the pages (no gather copy) and runs each
  * (sequence, KV head) pair as one task: the G query heads of that KV head share
  * every K and V row it loads. Two passes over the context: scores, then a
- * softmax-weighted sum of V. The OpenMP team is torch's (libgomp.so.1 is
- * already loaded by torch when this library is opened), so it never competes
- * with a second pool.
+ * softmax-weighted sum of V. With AVX-512 and a head dim of 32, 64 or 128, the
+ * scores are taken 16 tokens at a time and summed across lanes together, and the
+ * outputs stay in registers through the pass over V (16 x 192 tokens, 30 layers:
+ * 6.0 -> 5.7 ms; 1 x 300: 0.63 -> 0.45 ms); other dims take a general loop. The
+ * OpenMP team is torch's (libgomp.so.1 is already loaded by torch when this library
+ * is opened), so it never competes with a second pool.
  *
  * Shapes: q [B, Hq, D] with q_stride floats between sequences (heads contiguous);
  * k_cache, v_cache [P, S, Hkv, D] contiguous; pages [B, max_pages] int64;
@@ -37,9 +40,10 @@ static void slot_offsets(const int64_t *pages, int64_t len, int64_t page_size, i
     }
 }
 
-/* Inlined with a constant dim at the common head sizes, so the loops over d unroll. */
-static inline __attribute__((always_inline)) void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *offsets,
-                       int64_t len, int64_t dim, int64_t group, float scale, float *scores, float *out)
+/* scores[g * len + t] = scale * q[g] . k[t] for the group's query heads. */
+static inline __attribute__((always_inline)) void scores_scalar(const float *q, const float *k_cache,
+                                                               const int64_t *offsets, int64_t len, int64_t dim,
+                                                               int64_t group, float scale, float *scores)
 {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + offsets[t];
@@ -55,22 +59,14 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
             scores[g * len + t] = acc * scale;
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len;
-        float max = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < len; t++)
-            max = s[t] > max ? s[t] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = vexp(s[t] - max);
-            sum += s[t];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++)
-            s[t] *= inv;
-        memset(out + g * dim, 0, dim * sizeof(float));
-    }
+}
+
+/* out[g] = sum over t of scores[g * len + t] * v[t]. */
+static inline __attribute__((always_inline)) void weighted_sum_scalar(const float *v_cache, const int64_t *offsets,
+                                                                     int64_t len, int64_t dim, int64_t group,
+                                                                     const float *scores, float *out)
+{
+    memset(out, 0, group * dim * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_cache + offsets[t];
         if (t + PREFETCH < len)
@@ -84,6 +80,137 @@ static inline __attribute__((always_inline)) void attend_one(const float *q, con
                 o[d] += p * v[d];
         }
     }
+}
+
+/* Each row of scores: softmax in place. */
+static void softmax_rows(float *scores, int64_t rows, int64_t len)
+{
+    for (int64_t g = 0; g < rows; g++) {
+        float *s = scores + g * len;
+        float max = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < len; t++)
+            max = s[t] > max ? s[t] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = vexp(s[t] - max);
+            sum += s[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++)
+            s[t] *= inv;
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* Lane j of the result: the sum of v[j]'s lanes. Four rounds of pairwise shuffles and
+ * adds (15 adds for 16 dot products, where 16 horizontal sums take 64), then one
+ * permute to put the sums in order. */
+static inline __m512 sum16(const __m512 v[16])
+{
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: lanes 0-7 v[i], 8-15 v[i + 8] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit blocks: v[i], v[i + 8], v[i + 4], v[i + 12] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++) /* pairs within a block: b[i]'s, b[i + 2]'s */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return _mm512_permutexvar_ps(order, sums);
+}
+
+/* scores_scalar for dim = 16 * DV: 16 tokens at a time, their K rows loaded once for
+ * all of the group's query heads (from L1 after the first). */
+static inline __attribute__((always_inline)) void scores_avx512(const float *q, const float *k_cache,
+                                                               const int64_t *offsets, int64_t len, const int DV,
+                                                               int64_t group, float scale, float *scores)
+{
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int n = len - t0 < 16 ? (int)(len - t0) : 16;
+        for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 16 && t < len; t++)
+            for (int c = 0; c < DV; c++)
+                _mm_prefetch((const char *)(k_cache + offsets[t] + 16 * c), _MM_HINT_T0);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 qv[8], acc[16];
+            for (int c = 0; c < DV; c++)
+                qv[c] = _mm512_loadu_ps(q + g * 16 * DV + 16 * c);
+            for (int j = 0; j < 16; j++) {
+                acc[j] = _mm512_setzero_ps();
+                if (j < n) {
+                    const float *k = k_cache + offsets[t0 + j];
+                    for (int c = 0; c < DV; c++)
+                        acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+                }
+            }
+            _mm512_mask_storeu_ps(scores + g * len + t0, (__mmask16)((1u << n) - 1),
+                                  _mm512_mul_ps(sum16(acc), scale_v));
+        }
+    }
+}
+
+/* weighted_sum_scalar for dim = 16 * DV: the outputs of up to 16 / DV query heads stay
+ * in registers through the pass over V. */
+static inline __attribute__((always_inline)) void weighted_sum_avx512(const float *v_cache, const int64_t *offsets,
+                                                                     int64_t len, const int DV, int64_t group,
+                                                                     const float *scores, float *out)
+{
+    const int per_pass = 16 / DV;
+    for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
+        const int heads = group - g0 < per_pass ? (int)(group - g0) : per_pass;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t++) {
+            const float *v = v_cache + offsets[t];
+            if (t + PREFETCH < len)
+                for (int c = 0; c < DV; c++)
+                    _mm_prefetch((const char *)(v_cache + offsets[t + PREFETCH] + 16 * c), _MM_HINT_T0);
+            __m512 vv[8];
+            for (int c = 0; c < DV; c++)
+                vv[c] = _mm512_loadu_ps(v + 16 * c);
+            for (int h = 0; h < per_pass; h++)
+                if (h < heads) {
+                    const __m512 p = _mm512_set1_ps(scores[(g0 + h) * len + t]);
+                    for (int c = 0; c < DV; c++)
+                        acc[h * DV + c] = _mm512_fmadd_ps(p, vv[c], acc[h * DV + c]);
+                }
+        }
+        for (int h = 0; h < heads; h++)
+            for (int c = 0; c < DV; c++)
+                _mm512_storeu_ps(out + (g0 + h) * 16 * DV + 16 * c, acc[h * DV + c]);
+    }
+}
+
+/* One group with a head dim of 16 * DV, DV a constant after inlining. */
+static inline __attribute__((always_inline)) void attend_avx512(const float *q, const float *k_cache,
+                                                               const float *v_cache, const int64_t *offsets,
+                                                               int64_t len, const int DV, int64_t group,
+                                                               float scale, float *scores, float *out)
+{
+    scores_avx512(q, k_cache, offsets, len, DV, group, scale, scores);
+    softmax_rows(scores, group, len);
+    weighted_sum_avx512(v_cache, offsets, len, DV, group, scores, out);
+}
+#endif
+
+/* One (sequence, KV head) group: its `group` query heads q [group, dim] -> out [group, dim]. */
+static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
+                   int64_t dim, int64_t group, float scale, float *scores, float *out)
+{
+#ifdef __AVX512F__
+    switch (dim) {
+    case 32: attend_avx512(q, k_cache, v_cache, offsets, len, 2, group, scale, scores, out); return;
+    case 64: attend_avx512(q, k_cache, v_cache, offsets, len, 4, group, scale, scores, out); return;
+    case 128: attend_avx512(q, k_cache, v_cache, offsets, len, 8, group, scale, scores, out); return;
+    }
+#endif
+    scores_scalar(q, k_cache, offsets, len, dim, group, scale, scores);
+    softmax_rows(scores, group, len);
+    weighted_sum_scalar(v_cache, offsets, len, dim, group, scores, out);
 }
 
 /* Returns 0, or -1 when a scores buffer could not be allocated. */
@@ -113,12 +240,7 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                 slot_offsets(pages + b * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
                 const float *qh = q + b * q_stride + h * group * dim;
                 float *oh = out + (b * num_heads + h * group) * dim;
-                if (dim == 64)
-                    attend_one(qh, k_cache, v_cache, offsets, lens[b], 64, group, scale, scores, oh);
-                else if (dim == 128)
-                    attend_one(qh, k_cache, v_cache, offsets, lens[b], 128, group, scale, scores, oh);
-                else
-                    attend_one(qh, k_cache, v_cache, offsets, lens[b], dim, group, scale, scores, oh);
+                attend(qh, k_cache, v_cache, offsets, lens[b], dim, group, scale, scores, oh);
             }
         }
         free(scores);
