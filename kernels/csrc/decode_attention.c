@@ -18,7 +18,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
 
 #include "vexp.h"
 
@@ -226,22 +225,23 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
     int failed = 0;
 #pragma omp parallel
     {
-        /* Tasks split evenly by index; a thread's tasks are contiguous sequences' heads. */
-        const int64_t n = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t first = tasks * id / n, last = tasks * (id + 1) / n;
         float *scores = malloc(group * longest * sizeof(float));
         int64_t *offsets = malloc(longest * sizeof(int64_t));
         if (!scores || !offsets) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            for (int64_t i = first; i < last; i++) {
-                const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
-                slot_offsets(pages + b * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
-                const float *qh = q + b * q_stride + h * group * dim;
-                float *oh = out + (b * num_heads + h * group) * dim;
-                attend(qh, k_cache, v_cache, offsets, lens[b], dim, group, scale, scores, oh);
-            }
+        }
+        /* Tasks handed out one at a time: when the OS preempts one thread (the server's
+         * threads share these cores), the other takes over the rest of its share. */
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < tasks; i++) {
+            if (!scores || !offsets)
+                continue;
+            const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
+            slot_offsets(pages + b * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
+            const float *qh = q + b * q_stride + h * group * dim;
+            float *oh = out + (b * num_heads + h * group) * dim;
+            attend(qh, k_cache, v_cache, offsets, lens[b], dim, group, scale, scores, oh);
         }
         free(scores);
         free(offsets);

@@ -92,7 +92,9 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
                    float *y)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static)
+    /* Panels handed out one at a time: when the OS preempts one thread (the server's threads
+     * share these cores), the other takes over the rest of its share instead of waiting. */
+#pragma omp parallel for schedule(dynamic)
     for (int64_t p = 0; p < panels; p++)
         panel(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;
