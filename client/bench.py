@@ -93,8 +93,11 @@ def genai_perf_cmd(t: Target, mode: str, level: float, w: Workload, seed: int, r
                 "--extra-inputs", "temperature:0.0"]
     else:
         # genai-perf forces a length only for Triton; OpenAI peers take these request fields.
+        # One connection per request: llama-server answers HTTP 400 to a request perf_analyzer
+        # 2.51 sends on a reused streaming connection (each body passes alone or with this).
         cmd += ["--endpoint-type", "completions", "-u", t.url, "--extra-inputs", "temperature:0.0",
-                "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{w.output_tokens}"]
+                "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{w.output_tokens}",
+                "--header", "Connection:close"]
     return cmd
 
 

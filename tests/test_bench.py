@@ -48,13 +48,16 @@ def test_bench_llm_counts_equal_server(llm_server, tmp_path):
 
 
 class FakePeer(BaseHTTPRequestHandler):
-    """An OpenAI /v1/completions server that streams max_tokens words; records the bodies."""
+    """An OpenAI /v1/completions server that streams max_tokens words; records the bodies
+    and each request's Connection header."""
     bodies: list[dict] = []
+    connections: list[str | None] = []
     protocol_version = "HTTP/1.1"  # answers curl's "Expect: 100-continue" at once (1.0 makes it wait 1 s)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakePeer.bodies.append(body)
+        FakePeer.connections.append(self.headers.get("Connection"))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
@@ -86,6 +89,8 @@ def test_bench_openai_peer(tmp_path):
     # The same workload as for Tandem: forced length, greedy, streaming.
     assert body["model"] == "smol" and body["stream"] is True and body["max_tokens"] == TOKENS
     assert body["ignore_eos"] is True and body["min_tokens"] == TOKENS and body["temperature"] == 0
+    # One connection per request (llama-server rejects perf_analyzer's reused ones with HTTP 400).
+    assert [(c or "").lower() for c in FakePeer.connections[1:]] == ["close", "close"], FakePeer.connections
 
 
 def test_parse_target():
