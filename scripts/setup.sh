@@ -11,7 +11,7 @@ VENV=$ROOT/.venv
 STAMP=$VENV/.tandem-setup
 
 if ! ldconfig -p 2>/dev/null | grep -q libb64.so.0d || ! command -v gcc >/dev/null; then
-    echo "== apt: libb64-0d (perf_analyzer needs it), gcc (the CPU attention kernel)"
+    echo "== apt: libb64-0d (perf_analyzer needs it), gcc (the C kernels of kernels/csrc)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d gcc >/dev/null
 fi

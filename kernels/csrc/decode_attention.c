@@ -39,16 +39,21 @@ static void slot_offsets(const int64_t *pages, int64_t len, int64_t page_size, i
     }
 }
 
+/* Token t's row (dim floats at offsets[t]) on its way to L1, if there is a token t. */
+static inline void prefetch_row(const float *cache, const int64_t *offsets, int64_t t, int64_t len, int64_t dim)
+{
+    if (t < len)
+        for (int64_t c = 0; c < dim; c += 16)
+            __builtin_prefetch(cache + offsets[t] + c);
+}
+
 /* scores[g * len + t] = scale * q[g] . k[t] for the group's query heads. */
-static inline __attribute__((always_inline)) void scores_scalar(const float *q, const float *k_cache,
-                                                               const int64_t *offsets, int64_t len, int64_t dim,
-                                                               int64_t group, float scale, float *scores)
+static void scores_scalar(const float *q, const float *k_cache, const int64_t *offsets, int64_t len, int64_t dim,
+                          int64_t group, float scale, float *scores)
 {
     for (int64_t t = 0; t < len; t++) {
         const float *k = k_cache + offsets[t];
-        if (t + PREFETCH < len)
-            for (int64_t c = 0; c < dim; c += 16)
-                __builtin_prefetch(k_cache + offsets[t + PREFETCH] + c);
+        prefetch_row(k_cache, offsets, t + PREFETCH, len, dim);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * dim;
             float acc = 0.f;
@@ -61,16 +66,13 @@ static inline __attribute__((always_inline)) void scores_scalar(const float *q, 
 }
 
 /* out[g] = sum over t of scores[g * len + t] * v[t]. */
-static inline __attribute__((always_inline)) void weighted_sum_scalar(const float *v_cache, const int64_t *offsets,
-                                                                     int64_t len, int64_t dim, int64_t group,
-                                                                     const float *scores, float *out)
+static void weighted_sum_scalar(const float *v_cache, const int64_t *offsets, int64_t len, int64_t dim,
+                                int64_t group, const float *scores, float *out)
 {
     memset(out, 0, group * dim * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         const float *v = v_cache + offsets[t];
-        if (t + PREFETCH < len)
-            for (int64_t c = 0; c < dim; c += 16)
-                __builtin_prefetch(v_cache + offsets[t + PREFETCH] + c);
+        prefetch_row(v_cache, offsets, t + PREFETCH, len, dim);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * len + t];
             float *o = out + g * dim;
@@ -130,9 +132,8 @@ static inline __attribute__((always_inline)) void scores_avx512(const float *q, 
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? (int)(len - t0) : 16;
-        for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 16 && t < len; t++)
-            for (int c = 0; c < DV; c++)
-                _mm_prefetch((const char *)(k_cache + offsets[t] + 16 * c), _MM_HINT_T0);
+        for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 16; t++)
+            prefetch_row(k_cache, offsets, t, len, 16 * DV);
         for (int64_t g = 0; g < group; g++) {
             __m512 qv[8], acc[16];
             for (int c = 0; c < DV; c++)
@@ -165,9 +166,7 @@ static inline __attribute__((always_inline)) void weighted_sum_avx512(const floa
             acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t++) {
             const float *v = v_cache + offsets[t];
-            if (t + PREFETCH < len)
-                for (int c = 0; c < DV; c++)
-                    _mm_prefetch((const char *)(v_cache + offsets[t + PREFETCH] + 16 * c), _MM_HINT_T0);
+            prefetch_row(v_cache, offsets, t + PREFETCH, len, 16 * DV);
             __m512 vv[8];
             for (int c = 0; c < DV; c++)
                 vv[c] = _mm512_loadu_ps(v + 16 * c);
