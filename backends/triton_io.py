@@ -30,6 +30,7 @@ SCALAR_INPUTS = {
 JSON_KEYS = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_k": int,
              "top_p": float, "seed": int, "ignore_eos": bool, "stop": list}
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+PER_TOKEN_OUTPUTS = ("text_output", "output_ids")   # in every streamed response; the rest in the first and last
 
 
 @dataclass(frozen=True)

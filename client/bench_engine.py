@@ -4,7 +4,7 @@
 
 Closed loop per level: C streams, each starts its next request as soon as the
 previous one ends (4 requests at 1 stream, 2*C otherwise, as the peers'
-bench_stream.py). Every request is a distinct window of Python stdlib source
+bench_stream.py; --requests N sets N per level, as client.bench's). Every request is a distinct window of Python stdlib source
 tokens, greedy, exactly --output-tokens tokens (ignore_eos, min_tokens).
 Per repetition: output tok/s = output tokens / wall (first submit -> last
 token), TTFT p50 (submit -> first token), ITL p50 (gaps between streamed
@@ -102,7 +102,7 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
 
 
 def bench_engine(args, engine: Engine) -> None:
-    per_level = {c: (4 if c == 1 else 2 * c) for c in args.streams}
+    per_level = {c: args.requests or (4 if c == 1 else 2 * c) for c in args.streams}
     need = sum(per_level.values()) * args.reps + 2 * max(args.streams)
     prompts = make_prompts(engine.tokenizer, need, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True)
@@ -181,6 +181,7 @@ def parse_args(argv=None):
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default 4 at 1 stream, 2*C above)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default=EngineConfig().model_path)
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",

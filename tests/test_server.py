@@ -58,6 +58,19 @@ def test_concurrent_streams_equal_transformers(llm_server, hf):
     assert llm_server.wait_kv_full("llm")
 
 
+def test_constant_outputs_only_on_first_and_last_response(llm_server):
+    """Middle responses carry text_output and output_ids only; the counts and the finish
+    reason come with the first and the last."""
+    events = list(stream_events(llm_server.grpc_url, "llm", build_inputs("Count to five.", max_tokens=8, chat=True)))
+    outputs = [o for error, o in events if error is None]
+    assert len(outputs) == len(events) >= 3
+    every = {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    assert set(outputs[0]) == every and set(outputs[-1]) == every
+    assert all(set(o) == {"text_output", "output_ids"} for o in outputs[1:-1])
+    assert int(outputs[0]["num_input_tokens"][0]) > 0 and outputs[-1]["finish_reason"][0] == b"length"
+    assert int(outputs[-1]["num_output_tokens"][0]) == sum(len(o["output_ids"]) for o in outputs) == 8
+
+
 def test_non_streaming_and_raw_prompt(llm_server, hf):
     result = stream_generate(llm_server.grpc_url, "llm", "The capital of Italy is", max_tokens=12,
                              stream=False, chat=False)
@@ -146,7 +159,7 @@ def test_client_cli(llm_server):
 def test_metrics_scrape(llm_server):
     """Engine gauges and latency histograms on Triton's metrics port."""
     stream_generate(llm_server.grpc_url, "llm", "Say hello.", max_tokens=8, chat=True)
-    time.sleep(0.2)  # the watcher observes queued latencies every 20 ms
+    time.sleep(0.5)  # the watcher observes queued latencies every 0.1 s
     m = llm_server.metrics()
     assert m['tandem_kv_pages_total{model="llm"}'] == 512
     assert m['tandem_ttft_seconds_count{model="llm"}'] >= 1
