@@ -7,9 +7,13 @@ previous one ends (4 requests at 1 stream, 2*C otherwise, as the peers'
 bench_stream.py; --requests N sets N per level, as client.bench's). Every request is a distinct window of Python stdlib source
 tokens, greedy, exactly --output-tokens tokens (ignore_eos, min_tokens).
 Per repetition: output tok/s = output tokens / wall (first submit -> last
-token), TTFT p50 (submit -> first token), ITL p50 (gaps between streamed
-outputs, pooled). The median over repetitions is printed per level, with the
-CPU share other processes took during the runs (this machine is shared).
+token), TTFT (submit -> first token), ITL per request ((last - first token) /
+(tokens - 1), as genai-perf computes it). The median over repetitions is
+printed per level, with the CPU share other processes took during the runs
+(this machine is shared). With --out DIR, the repetition closest to that median
+is also written as client.bench rows (target `engine`: bench.json, table.txt,
+plots), so `client.bench --merge` puts the engine beside the same engine behind
+tritonserver and prints the ratios.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import os
 import statistics
 import threading
 import time
+
+import numpy as np
 
 from backends.config import EngineConfig
 from backends.engine import Engine
@@ -95,17 +101,32 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
     wall = max(s.stamps[-1] for s in done) - t0
     foreign = max(0, (busy_ticks() - c0) - (own_ticks() - o0)) / os.sysconf("SC_CLK_TCK")
     tokens = sum(s.tokens for s in done)
-    gaps = [b - a for s in done for a, b in zip(s.stamps, s.stamps[1:])]
-    return dict(tok_s=tokens / wall, ttft_ms=1e3 * statistics.median(s.stamps[0] - s.t0 for s in done),
-                itl_ms=1e3 * statistics.median(gaps) if gaps else 0.0, tokens=tokens,
+    ms = lambda values: 1e3 * np.asarray(values, dtype=float)
+    return dict(tok_s=tokens / wall, req_s=len(done) / wall, tokens=tokens, requests=len(done),
+                ttft=ms([s.stamps[0] - s.t0 for s in done]),
+                itl=ms([(s.stamps[-1] - s.stamps[0]) / (s.tokens - 1) for s in done if s.tokens > 1]),
+                latency=ms([s.stamps[-1] - s.t0 for s in done]), osl=[s.tokens for s in done],
                 foreign=foreign / (os.cpu_count() * wall))
 
 
-def bench_engine(args, engine: Engine) -> None:
+def bench_row(c: int, r: dict, prompt_tokens: int, output_tokens: int) -> dict:
+    """A repetition as a row of client.bench's bench.json (same keys, target `engine`)."""
+    pcts = lambda a: {"avg": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in (50, 90, 99)}}
+    return {"target": "engine", "kind": "engine", "url": "in-process", "model": "llm", "mode": "concurrency",
+            "level": float(c), "requests": r["requests"], "request_count": r["requests"],
+            "workload": {"input_tokens": prompt_tokens, "output_tokens": output_tokens, "seed": 0},
+            "error": None, "output_tok_s": r["tok_s"], "requests_s": r["req_s"],
+            "ttft_ms": pcts(r["ttft"]), "itl_ms": pcts(r["itl"]), "latency_ms": pcts(r["latency"]),
+            "osl": {"min": min(r["osl"]), "avg": float(np.mean(r["osl"])), "max": max(r["osl"])},
+            "isl_avg": float(prompt_tokens)}
+
+
+def bench_engine(args, engine: Engine) -> list[dict]:
     per_level = {c: args.requests or (4 if c == 1 else 2 * c) for c in args.streams}
     need = sum(per_level.values()) * args.reps + 2 * max(args.streams)
     prompts = make_prompts(engine.tokenizer, need, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.output_tokens, min_tokens=args.output_tokens, ignore_eos=True)
+    rows = []
     for c, n in per_level.items():
         wave(engine, [prompts.pop() for _ in range(c)], c, SamplingParams(max_tokens=16, ignore_eos=True))
         reps = []
@@ -113,11 +134,14 @@ def bench_engine(args, engine: Engine) -> None:
             r = wave(engine, [prompts.pop() for _ in range(n)], c, params)
             assert r["tokens"] == n * args.output_tokens, r
             reps.append(r)
-        med = {k: statistics.median(r[k] for r in reps) for k in ("tok_s", "ttft_ms", "itl_ms")}
+        med = {k: statistics.median(float(np.median(r[k])) for r in reps) for k in ("tok_s", "ttft", "itl")}
         print(json.dumps(dict(streams=c, requests=n, tok_s=round(med["tok_s"], 1),
-                              ttft_p50_ms=round(med["ttft_ms"], 1), itl_p50_ms=round(med["itl_ms"], 2),
+                              ttft_p50_ms=round(med["ttft"], 1), itl_p50_ms=round(med["itl"], 2),
                               runs_tok_s=[round(r["tok_s"], 1) for r in reps],
                               foreign_cpu=[round(r["foreign"], 2) for r in reps])), flush=True)
+        typical = min(reps, key=lambda r: abs(r["tok_s"] - med["tok_s"]))
+        rows.append(bench_row(c, typical, args.prompt_tokens, args.output_tokens))
+    return rows
 
 
 def bench_hf(args, tokenizer) -> None:
@@ -187,6 +211,7 @@ def parse_args(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
                     help="engine knob, as in config.pbtxt (repeatable)")
     ap.add_argument("--with-hf", action="store_true", help="also time transformers generate (batch 1, 8)")
+    ap.add_argument("--out", help="also write the results as client.bench rows (bench.json, table, plots) here")
     ap.add_argument("--check", type=int, default=0, metavar="N",
                     help="instead of timing, compare the greedy ids of N concurrent requests with transformers")
     return ap.parse_args(argv)
@@ -203,9 +228,13 @@ def main(argv=None) -> None:
         if args.check:
             ok = check_hf(args, engine)
             raise SystemExit(0 if ok else 1)
-        bench_engine(args, engine)
+        rows = bench_engine(args, engine)
     finally:
         engine.stop()
+    if args.out:
+        from client import bench_report
+        os.makedirs(args.out, exist_ok=True)
+        bench_report.write({"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": rows}, args.out)
     if args.with_hf:
         bench_hf(args, engine.tokenizer)
 

@@ -105,7 +105,7 @@ def table(rows: list[dict]) -> str:
 
 
 def _cells(r: dict) -> tuple:
-    load = ("c=" if r["mode"] == "concurrency" else "rate=") + f"{r['level']:g}"
+    load = _load(r)
     if r.get("error"):
         return (r["target"], load, str(r["requests"]), "FAILED") + ("",) * 6
     pct = lambda m, d: "/".join(f"{m[p]:.{d}f}" for p in PCTS)
@@ -118,12 +118,40 @@ def _cells(r: dict) -> tuple:
 def _token_cell(r: dict) -> str:
     t = r.get("tokens")
     if t is None:
-        return "-" if r["kind"] == "openai" else "not checked"
+        return "not checked" if r["kind"] == "triton" else "-"
     if not t["ok"]:
         return f"MISMATCH {len(t['mismatches'])}/{t['requests']}"
     if t["retokenized"]:  # the server is right; genai-perf's re-count is lower
         return f"{t['client_total']} vs {t['server_total']} (retok.)"
     return f"equal ({t['server_total']})"
+
+
+def ratios(rows: list[dict], base: str = "llm") -> dict[str, dict[str, dict]]:
+    """Per other target and load: base's output tok/s and TTFT p50 over the other's
+    (how far `llm` is ahead of a peer, or behind the in-process `engine`)."""
+    ok = [r for r in rows if not r.get("error")]
+    ref = {(r["mode"], r["level"]): r for r in ok if r["target"] == base}
+    out: dict[str, dict[str, dict]] = {}
+    for r in ok:
+        b = ref.get((r["mode"], r["level"]))
+        if b is None or r["target"] == base:
+            continue
+        out.setdefault(r["target"], {})[_load(r)] = {
+            "output_tok_s": b["output_tok_s"] / r["output_tok_s"],
+            "ttft_p50": b["ttft_ms"]["p50"] / r["ttft_ms"]["p50"]}
+    return out
+
+
+def ratio_table(ratios: dict[str, dict[str, dict]], base: str = "llm") -> str:
+    lines = [f"{base} / target: output tok/s (above 1: {base} is faster), TTFT p50 (below 1: {base} answers sooner)"]
+    for target, by_load in ratios.items():
+        cells = [f"{load} {v['output_tok_s']:.2f}x ({v['ttft_p50']:.2f}x)" for load, v in by_load.items()]
+        lines.append(f"  {target:<14} " + "   ".join(cells))
+    return "\n".join(lines)
+
+
+def _load(r: dict) -> str:
+    return ("c=" if r["mode"] == "concurrency" else "rate=") + f"{r['level']:g}"
 
 
 # ---- plots ----------------------------------------------------------------------------
@@ -195,6 +223,9 @@ def write(report: dict, out_dir: str) -> int:
     """Table to stdout and table.txt, bench.json, plots; returns the exit code."""
     rows = report["results"]
     text = table(rows)
+    report["ratios"] = ratios(rows)
+    if report["ratios"]:
+        text += "\n\n" + ratio_table(report["ratios"])
     print(text)
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write(text + "\n")

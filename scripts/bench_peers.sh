@@ -9,10 +9,15 @@
 #   scripts/bench_peers.sh serve PEER [PORT]   start one in the background (PEER: tandem,
 #                                              llamacpp-f32, llamacpp-q4, vllm); waits until ready
 #   scripts/bench_peers.sh stop PEER
-#   scripts/bench_peers.sh run                 sweep every peer in $PEERS + tandem, merged report
+#   scripts/bench_peers.sh run                 sweep every peer in $PEERS, merged report with the
+#                                              ratios of `llm` to each (`engine`: the same engine
+#                                              in-process, no Triton: the ratio is Triton's overhead)
 #
-# Environment: PEERS_DIR (.peers), PEERS ("tandem llamacpp-f32 llamacpp-q4 vllm"),
-# LEVELS ("1 8 16", concurrency), BENCH_ARGS (more client.bench flags), OUT (artifacts/bench-peers),
+# Environment: PEERS_DIR (.peers), PEERS ("engine tandem llamacpp-f32 llamacpp-q4 vllm"),
+# LEVELS ("1 8 16", concurrency), REQUESTS (per level, 32), INPUT_TOKENS / OUTPUT_TOKENS (128),
+# BENCH_ARGS (more client.bench flags),
+# OUT (artifacts/bench-peers), ROUNDS (1: each peer once; N: the whole list N times, in turn,
+# each round in $OUT/round-K, so drift of this shared machine shows up across rounds),
 # TANDEM_MODELS ("llm"; "llm router prefill decode" benchmarks the disaggregated path too),
 # NP (llama-server slots, 16), PORT_BASE (18200: tandem 18200-18202, vllm +11, llama.cpp +13).
 set -euo pipefail
@@ -20,8 +25,12 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 D=${PEERS_DIR:-$ROOT/.peers}
-PEERS=${PEERS:-"tandem llamacpp-f32 llamacpp-q4 vllm"}
+PEERS=${PEERS:-"engine tandem llamacpp-f32 llamacpp-q4 vllm"}
 LEVELS=${LEVELS:-"1 8 16"}
+REQUESTS=${REQUESTS:-32}
+INPUT_TOKENS=${INPUT_TOKENS:-128}
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-128}
+ROUNDS=${ROUNDS:-1}
 OUT=${OUT:-$ROOT/artifacts/bench-peers}
 NP=${NP:-16}
 TANDEM_MODELS=${TANDEM_MODELS:-llm}
@@ -168,18 +177,35 @@ stop() {
 }
 
 # ---- run ------------------------------------------------------------------------------
-run() {
-    local merged=() peer
-    for peer in $PEERS; do
-        serve "$peer"
+bench_one() {  # bench_one PEER OUT_DIR: one peer through every level
+    local peer=$1 out=$2
+    if [ "$peer" = engine ]; then  # in-process, the same workload: no server to start
         # shellcheck disable=SC2086
-        "$PY" -m client.bench $(target_of "$peer") --concurrency $LEVELS \
-            --out "$OUT/$peer" ${BENCH_ARGS:-} || log "$peer: bench failed"
-        stop "$peer"
-        [ -f "$OUT/$peer/bench.json" ] && merged+=(--merge "$OUT/$peer/bench.json")
-        sleep 2
+        "$PY" -m client.bench_engine --streams $LEVELS --requests "$REQUESTS" --reps 1 --out "$out" \
+            --prompt-tokens "$INPUT_TOKENS" --output-tokens "$OUTPUT_TOKENS" \
+            || log "engine: bench failed"
+        return
+    fi
+    serve "$peer"
+    # shellcheck disable=SC2086
+    "$PY" -m client.bench $(target_of "$peer") --concurrency $LEVELS --requests "$REQUESTS" \
+        --input-tokens "$INPUT_TOKENS" --output-tokens "$OUTPUT_TOKENS" --out "$out" ${BENCH_ARGS:-} \
+        || log "$peer: bench failed"
+    stop "$peer"
+    sleep 2
+}
+
+run() {
+    local round peer out
+    for round in $(seq "$ROUNDS"); do
+        local merged=()
+        out=$OUT; [ "$ROUNDS" -gt 1 ] && out=$OUT/round-$round
+        for peer in $PEERS; do
+            bench_one "$peer" "$out/$peer"
+            [ -f "$out/$peer/bench.json" ] && merged+=(--merge "$out/$peer/bench.json")
+        done
+        "$PY" -m client.bench "${merged[@]}" --out "$out"
     done
-    "$PY" -m client.bench "${merged[@]}" --out "$OUT"
 }
 
 case ${1:-all} in

@@ -47,6 +47,26 @@ def test_bench_llm_counts_equal_server(llm_server, tmp_path):
     assert [r["response_outputs"][-1]["num_output_tokens"] for r in requests] == [TOKENS, TOKENS]
 
 
+def test_engine_in_process_beside_llm(llm_server, default_model, tmp_path):
+    """bench_engine --out writes client.bench rows; merged with the same workload through
+    tritonserver, the report has the llm / engine ratios (Triton's overhead)."""
+    engine_dir = tmp_path / "engine"
+    proc = subprocess.run([sys.executable, "-m", "client.bench_engine", "--model", default_model, "--streams", "1",
+                           "--requests", "2", "--reps", "1", "--prompt-tokens", "16", "--output-tokens", str(TOKENS),
+                           "--out", str(engine_dir)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [engine] = json.loads((engine_dir / "bench.json").read_text())["results"]
+    assert engine["target"] == "engine" and engine["request_count"] == 2 and engine["osl"]["avg"] == TOKENS
+    assert engine["ttft_ms"]["p50"] <= engine["latency_ms"]["p50"] and engine["itl_ms"]["p50"] > 0
+    proc, report = run_bench(tmp_path, "--target", f"llm=grpc://{llm_server.grpc_url}",
+                             "--merge", str(engine_dir / "bench.json"))
+    llm = next(r for r in report["results"] if r["target"] == "llm")
+    ratio = report["ratios"]["engine"]["c=1"]
+    assert ratio["output_tok_s"] == pytest.approx(llm["output_tok_s"] / engine["output_tok_s"])
+    assert ratio["ttft_p50"] == pytest.approx(llm["ttft_ms"]["p50"] / engine["ttft_ms"]["p50"])
+    assert "llm / target" in proc.stdout and "engine" in proc.stdout.split("llm / target")[1]
+
+
 class FakePeer(BaseHTTPRequestHandler):
     """An OpenAI /v1/completions server that streams max_tokens words; records the bodies
     and each request's Connection header."""
