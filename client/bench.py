@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="output dir (default artifacts/bench-<time>)")
     ap.add_argument("--merge", action="append", default=[], metavar="BENCH_JSON",
                     help="add the results of an earlier bench.json to the table and plots (repeatable)")
+    ap.add_argument("--rounds", nargs="+", metavar="BENCH_JSON",
+                    help="only print the median and range of the llm / target ratios over these reports")
     ap.add_argument("--no-token-check", dest="check_tokens", action="store_false",
                     help="skip the client-vs-server output token comparison")
     return ap
@@ -269,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.rounds:
+        print(bench_report.rounds_table(args.rounds))
+        return 0
     if not args.target and not args.merge:
         build_parser().error("give at least one --target (or --merge)")
     mode = "request_rate" if args.request_rate else "concurrency"

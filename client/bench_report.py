@@ -150,6 +150,22 @@ def ratio_table(ratios: dict[str, dict[str, dict]], base: str = "llm") -> str:
     return "\n".join(lines)
 
 
+def rounds_table(paths: list[str], base: str = "llm") -> str:
+    """The median and range over several reports (one per round) of each ratio they printed."""
+    import statistics
+    seen: dict[str, dict[str, list[float]]] = {}
+    for path in paths:
+        with open(path) as f:
+            for target, by_load in ratios(json.load(f)["results"], base).items():
+                for load, v in by_load.items():
+                    seen.setdefault(target, {}).setdefault(load, []).append(v["output_tok_s"])
+    lines = [f"{base} / target, output tok/s over {len(paths)} rounds: median (min-max)"]
+    for target, by_load in seen.items():
+        cells = [f"{load} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" for load, v in by_load.items()]
+        lines.append(f"  {target:<14} " + "   ".join(cells))
+    return "\n".join(lines)
+
+
 def _load(r: dict) -> str:
     return ("c=" if r["mode"] == "concurrency" else "rate=") + f"{r['level']:g}"
 

@@ -17,7 +17,7 @@
 # LEVELS ("1 8 16", concurrency), REQUESTS (per level, 32), INPUT_TOKENS / OUTPUT_TOKENS (128),
 # BENCH_ARGS (more client.bench flags),
 # OUT (artifacts/bench-peers), ROUNDS (1: each peer once; N: the whole list N times, in turn,
-# each round in $OUT/round-K, so drift of this shared machine shows up across rounds),
+# each round in $OUT/round-K, then the median and range of every ratio in $OUT/rounds.txt),
 # TANDEM_MODELS ("llm"; "llm router prefill decode" benchmarks the disaggregated path too),
 # NP (llama-server slots, 16), PORT_BASE (18200: tandem 18200-18202, vllm +11, llama.cpp +13).
 set -euo pipefail
@@ -206,6 +206,8 @@ run() {
         done
         "$PY" -m client.bench "${merged[@]}" --out "$out"
     done
+    [ "$ROUNDS" -gt 1 ] && "$PY" -m client.bench --rounds "$OUT"/round-*/bench.json | tee "$OUT/rounds.txt"
+    return 0
 }
 
 case ${1:-all} in

@@ -121,3 +121,16 @@ def test_parse_target():
     assert (p.kind, p.url, p.model) == ("openai", "http://127.0.0.1:8011", "smol")
     with pytest.raises(Exception):
         parse_target("x=ftp://h:1")
+
+
+def test_rounds_median_of_ratios(tmp_path, capsys):
+    from client.bench import main
+    row = lambda target, tok_s: {"target": target, "mode": "concurrency", "level": 8.0, "error": None,
+                                 "output_tok_s": tok_s, "ttft_ms": {"p50": 100.0}}
+    paths = []
+    for i, (llm, vllm) in enumerate([(240, 200), (260, 200), (300, 200)]):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps({"results": [row("llm", llm), row("vllm", vllm)]}))
+    assert main(["--rounds", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "over 3 rounds" in out and "vllm" in out and "c=8 1.30x (1.20-1.50)" in out
