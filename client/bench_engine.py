@@ -4,8 +4,9 @@
 
 Closed loop per level: C streams, each starts its next request as soon as the
 previous one ends (4 requests at 1 stream, 2*C otherwise, as the peers'
-bench_stream.py; --requests N sets N per level, as client.bench's). Every request is a distinct window of Python stdlib source
-tokens, greedy, exactly --output-tokens tokens (ignore_eos, min_tokens).
+bench_stream.py; --requests N sets N per level, as client.bench's). Every
+request is a distinct window of Python stdlib source tokens, greedy, exactly
+--output-tokens tokens (ignore_eos, min_tokens).
 Per repetition: output tok/s = output tokens / wall (first submit -> last
 token), TTFT (submit -> first token), ITL per request ((last - first token) /
 (tokens - 1), as genai-perf computes it). The median over repetitions is

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import sys
 
 PCTS = ("p50", "p90", "p99")
@@ -143,27 +144,28 @@ def ratios(rows: list[dict], base: str = "llm") -> dict[str, dict[str, dict]]:
 
 
 def ratio_table(ratios: dict[str, dict[str, dict]], base: str = "llm") -> str:
-    lines = [f"{base} / target: output tok/s (above 1: {base} is faster), TTFT p50 (below 1: {base} answers sooner)"]
-    for target, by_load in ratios.items():
-        cells = [f"{load} {v['output_tok_s']:.2f}x ({v['ttft_p50']:.2f}x)" for load, v in by_load.items()]
-        lines.append(f"  {target:<14} " + "   ".join(cells))
-    return "\n".join(lines)
+    return _per_target(
+        f"{base} / target: output tok/s (above 1: {base} is faster), TTFT p50 (below 1: {base} answers sooner)",
+        {target: [f"{load} {v['output_tok_s']:.2f}x ({v['ttft_p50']:.2f}x)" for load, v in by_load.items()]
+         for target, by_load in ratios.items()})
 
 
 def rounds_table(paths: list[str], base: str = "llm") -> str:
     """The median and range over several reports (one per round) of each ratio they printed."""
-    import statistics
     seen: dict[str, dict[str, list[float]]] = {}
     for path in paths:
         with open(path) as f:
             for target, by_load in ratios(json.load(f)["results"], base).items():
                 for load, v in by_load.items():
                     seen.setdefault(target, {}).setdefault(load, []).append(v["output_tok_s"])
-    lines = [f"{base} / target, output tok/s over {len(paths)} rounds: median (min-max)"]
-    for target, by_load in seen.items():
-        cells = [f"{load} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" for load, v in by_load.items()]
-        lines.append(f"  {target:<14} " + "   ".join(cells))
-    return "\n".join(lines)
+    return _per_target(
+        f"{base} / target, output tok/s over {len(paths)} rounds: median (min-max)",
+        {target: [f"{load} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" for load, v in by_load.items()]
+         for target, by_load in seen.items()})
+
+
+def _per_target(header: str, cells: dict[str, list[str]]) -> str:
+    return "\n".join([header] + [f"  {target:<14} " + "   ".join(c) for target, c in cells.items()])
 
 
 def _load(r: dict) -> str:
