@@ -1,4 +1,4 @@
-"""Request tensors -> engine request: every accepted form and every bad input."""
+"""Request tensors -> engine request: every accepted form and every bad input; the adapter's gauges."""
 import numpy as np
 import pytest
 
@@ -59,3 +59,28 @@ def test_output_arrays_only_what_was_asked():
     arrays = output_arrays("é", [1, 2], "stop", 3, 2, ("text_output", "output_ids"))
     assert set(arrays) == {"text_output", "output_ids"}
     assert arrays["text_output"][0].decode() == "é" and arrays["output_ids"].tolist() == [1, 2]
+
+
+def test_engine_gauges_set_only_when_changed():
+    """Each gauge set is a round trip to the server: EngineMetrics skips unchanged values."""
+    from backends.triton_adapter import EngineMetrics
+
+    sets = []
+
+    class Family:
+        GAUGE = "gauge"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels):
+            family = self
+            return type("Gauge", (), {"set": lambda _, v: sets.append((family.name, v))})()
+
+    pb = type("pb", (), {"MetricFamily": Family})
+    metrics = EngineMetrics(pb, "llm", {"running": 0, "waiting": 0, "kv_pages_free": 8, "kv_pages_total": 8})
+    metrics.update({"running": 0, "waiting": 0, "kv_pages_free": 8, "kv_pages_total": 8})
+    assert len(sets) == 4
+    metrics.update({"running": 1, "waiting": 0, "kv_pages_free": 8, "kv_pages_total": 8})
+    metrics.update({"running": 1, "waiting": 0, "kv_pages_free": 8, "kv_pages_total": 8})
+    assert sets[4:] == [("tandem_running", 1.0)]
