@@ -126,10 +126,17 @@ class TritonServer:
 
     def wait_kv_full(self, model: str, timeout_s: float = 10) -> bool:
         """True once every KV page of the model is free again."""
+        return self._wait_kv(model, lambda free, total: free == total, timeout_s)
+
+    def wait_kv_used(self, model: str, timeout_s: float = 5) -> bool:
+        """True once the gauges show some KV page of the model in use (they are published
+        every 0.1 s, so a request can stream a few tokens before they do)."""
+        return self._wait_kv(model, lambda free, total: free < total, timeout_s)
+
+    def _wait_kv(self, model: str, done, timeout_s: float) -> bool:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            free, total = self.kv_pages(model)
-            if free == total:
+            if done(*self.kv_pages(model)):
                 return True
-            time.sleep(0.1)
+            time.sleep(0.05)
         return False
