@@ -6,6 +6,7 @@ thread; the scheduler's loop runs in one background thread and delivers
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import uuid
@@ -77,6 +78,9 @@ class Engine:
 
     # ---- the loop thread -----------------------------------------------------------
     def start(self) -> "Engine":
+        # Everything loaded so far (tokenizer, weights, torch and Triton modules) lives as long as
+        # the engine: out of the collector's reach, a full collection no longer walks it.
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
         return self

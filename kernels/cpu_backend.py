@@ -1,41 +1,63 @@
-"""CPU serving backend: TorchAttention with decodes run by a C kernel (csrc/decode_attention.c).
+"""CPU serving backend: every token row of a batch through one C kernel (csrc/paged_attention.c).
 
-The padded-SDPA decode of TorchAttention copies every decode's pages out before
-it attends (index_select), which on the default model at 16 streams was a
-quarter of the engine's time; the kernel reads the pages in place. Prefill
-chunks keep TorchAttention's SDPA path (compute-bound, already one call each).
-The K/V store is one C copy per token (csrc/layer_ops.c). The kernels are built
-on first use (kernels.cbuild); `auto` falls back to the torch backend where they
-cannot be.
+A decode is one row and a prefill chunk of n tokens is n rows of one sequence, each
+attending causally to the positions up to its own; the new K/V are stored first
+(one C copy per token, csrc/layer_ops.c), so the kernel reads every row's context
+from the pages in place. That replaced a padded-SDPA decode that copied the pages
+out (a quarter of the engine's time at 16 streams) and a torch SDPA call per
+prefill chunk (twice the kernel's time at 128 and 512 tokens). The kernels are
+built on first use (kernels.cbuild); `auto` falls back to the torch backend where
+they cannot be, and a dtype or layout the kernel does not take (bf16, a
+non-contiguous cache) goes through TorchAttention.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from kernels import cbuild, layer_ops
+from kernels.base import AttentionMetadata
 from kernels.layer_ops import CpuOps
 from kernels.torch_ref import TorchAttention, TorchPlan
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# q, q_stride, k_cache, v_cache, pages, max_pages, lens, batch, Hq, Hkv, D, page size, scale, out
-ARGTYPES = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr)
+# q, q_stride, k_cache, v_cache, pages, max_pages, seqs, lens, rows, Hq, Hkv, D, page size, scale, out
+ARGTYPES = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr)
+SIGNATURES = {"paged_attention_f32": ARGTYPES}
 
 
 def available() -> bool:
-    return cbuild.available("decode_attention", {"decode_attention_f32": ARGTYPES}) \
-        and cbuild.available("layer_ops", layer_ops.SIGNATURES)
+    return cbuild.available("paged_attention", SIGNATURES) and cbuild.available("layer_ops", layer_ops.SIGNATURES)
+
+
+@dataclass
+class RowPlan:
+    meta: AttentionMetadata
+    pages: torch.Tensor  # [B, Pm] int64: page tables cut to the longest sequence's pages
+    seqs: torch.Tensor   # [T] int64: each token row's sequence (its row of `pages`)
+    lens: torch.Tensor   # [T] int64: positions each row attends to, its own included
+    fallback: TorchPlan | None = None  # TorchAttention's plan, made when a layer needs it
 
 
 class CpuAttention(TorchAttention):
     name = "cpu"
 
     def __init__(self):
-        self._kernel = cbuild.load("decode_attention", {"decode_attention_f32": ARGTYPES}).decode_attention_f32
+        self._kernel = cbuild.load("paged_attention", SIGNATURES).paged_attention_f32
         self._ops = CpuOps()
 
-    def store_kv(self, k, v, k_cache, v_cache, plan: TorchPlan) -> None:
+    def plan(self, meta: AttentionMetadata) -> RowPlan:
+        seqs, lens = [], []
+        for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+            seqs += [i] * q_len
+            lens += range(kv_len - q_len + 1, kv_len + 1)
+        width = -(-max(meta.kv_lens, default=1) // meta.page_size)
+        return RowPlan(meta, meta.page_table[:, :width].to(torch.int64).contiguous(),
+                       torch.tensor(seqs, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64))
+
+    def store_kv(self, k, v, k_cache, v_cache, plan: RowPlan) -> None:
         """One copy per token into its slot (two index_copy_ calls were 0.5 ms of a 26 ms step)."""
         heads_contiguous = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
         if k.dtype != torch.float32 or k.device.type != "cpu" or not heads_contiguous \
@@ -43,16 +65,21 @@ class CpuAttention(TorchAttention):
             return super().store_kv(k, v, k_cache, v_cache, plan)
         self._ops.store_kv(k, v, k_cache, v_cache, plan.meta.slot_mapping)
 
-    def _decode(self, q, k_cache, v_cache, plan: TorchPlan, scale: float) -> torch.Tensor:
-        bd, hq, dim = q.shape
+    def forward(self, q, k, v, k_cache, v_cache, plan: RowPlan, scale: float) -> torch.Tensor:
+        self.store_kv(k, v, k_cache, v_cache, plan)
+        return self.attend(q, k_cache, v_cache, plan, scale)
+
+    def attend(self, q, k_cache, v_cache, plan: RowPlan, scale: float) -> torch.Tensor:
+        rows, hq, dim = q.shape
         if q.dtype != torch.float32 or q.device.type != "cpu" or q.stride(2) != 1 or q.stride(1) != dim \
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            return TorchAttention._decode(q, k_cache, v_cache, plan, scale)
-        d = plan.decodes
-        out = torch.empty((bd, hq, dim), dtype=q.dtype)
-        rc = self._kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), d.pages.data_ptr(),
-                          d.num_pages, d.lens.data_ptr(), bd, hq, k_cache.shape[2], dim, k_cache.shape[1],
-                          scale, out.data_ptr())
+            if plan.fallback is None:
+                plan.fallback = super().plan(plan.meta)
+            return self._attend(q, k_cache, v_cache, plan.fallback, scale)
+        out = torch.empty((rows, hq, dim), dtype=q.dtype)
+        rc = self._kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), plan.pages.data_ptr(),
+                          plan.pages.shape[1], plan.seqs.data_ptr(), plan.lens.data_ptr(), rows, hq,
+                          k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr())
         if rc != 0:
-            raise MemoryError("decode attention: no memory for the scores buffer")
+            raise MemoryError("paged attention: no memory for the scores buffer")
         return out

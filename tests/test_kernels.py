@@ -394,7 +394,7 @@ def test_cpu_decode(page_size, group, dim):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_cpu_random_batches(seed):
-    """Decodes mixed with prefills and chunks (those keep the SDPA path), shared pages."""
+    """Decodes mixed with prefills and chunks over a prefix, all rows through the kernel."""
     g = torch.Generator().manual_seed(200 + seed)
     q_lens, kv_lens = [], []
     for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
@@ -425,9 +425,9 @@ def test_cpu_kernel_cache_rebuilds_for_another_source(tmp_path):
 
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("decode_attention.c", "vexp.h"):
+    for name in ("paged_attention.c", "vexp.h"):
         (src / name).write_text((cbuild.CSRC / name).read_text())
-    source, header = src / "decode_attention.c", src / "vexp.h"
+    source, header = src / "paged_attention.c", src / "vexp.h"
     first = cbuild.build(source, tmp_path)
     assert first.exists() and cbuild.build(source, tmp_path) == first
     source.write_text(source.read_text() + "\n/* edited */\n")

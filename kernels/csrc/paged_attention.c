@@ -1,18 +1,25 @@
-/* Paged decode attention for the CPU: one new token per sequence, fp32.
+/* Paged attention for the CPU, fp32: every query row of a batch over its sequence's pages.
  *
- * Reads K/V straight from the pages (no gather copy) and runs each
- * (sequence, KV head) pair as one task: the G query heads of that KV head share
- * every K and V row it loads. Two passes over the context: scores, then a
- * softmax-weighted sum of V. With AVX-512 and a head dim of 32, 64 or 128, the
- * scores are taken 16 tokens at a time and summed across lanes together, and the
- * outputs stay in registers through the pass over V (16 x 192 tokens, 30 layers:
- * 6.0 -> 5.7 ms; 1 x 300: 0.63 -> 0.45 ms); other dims take a general loop. The
- * OpenMP team is torch's (libgomp.so.1 is already loaded by torch when this library
- * is opened), so it never competes with a second pool.
+ * A row is one new token: a decode is one row, a prefill chunk of n tokens is n rows of
+ * one sequence, row j attending to the positions up to its own (lens[row]). Its new K/V
+ * are already in the pages, so every row is the same problem and one call covers a
+ * mixed batch. K/V are read straight from the pages (no gather copy), and each (row,
+ * KV head) pair is one task: the G query heads of that KV head share every K and V row
+ * it loads. Two passes over the context: scores, then a softmax-weighted sum of V. With
+ * AVX-512 and a head dim of 32, 64 or 128, the scores are taken 16 tokens at a time and
+ * summed across lanes together, and the outputs stay in registers through the pass over
+ * V (16 x 192 tokens, 30 layers: 6.0 -> 5.7 ms; 1 x 300: 0.63 -> 0.45 ms); other dims
+ * take a general loop. The rows of a prefill chunk re-read their sequence's K/V from
+ * cache; against torch's SDPA (flash attention for CPU) on the default model's heads
+ * that is 0.30 -> 0.15 ms for a 128-token prompt, 3.7 -> 2.2 ms for 512, and no slower
+ * for 512 new tokens over 2048 or 4096 (15 -> 15 ms, 35 -> 34 ms). The OpenMP team
+ * is torch's (libgomp.so.1 is already loaded by torch when this library is opened), so
+ * it never competes with a second pool.
  *
- * Shapes: q [B, Hq, D] with q_stride floats between sequences (heads contiguous);
- * k_cache, v_cache [P, S, Hkv, D] contiguous; pages [B, max_pages] int64;
- * lens [B] int64 (cached tokens, the new one included); out [B, Hq, D] contiguous.
+ * Shapes: q [R, Hq, D] with q_stride floats between rows (heads contiguous); k_cache,
+ * v_cache [P, S, Hkv, D] contiguous; pages [B, max_pages] int64 (a page table per
+ * sequence); seqs [R] int64 (each row's sequence); lens [R] int64 (positions the row
+ * attends to, its own included); out [R, Hq, D] contiguous.
  */
 #include <math.h>
 #include <stdint.h>
@@ -195,7 +202,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const float *q, 
 }
 #endif
 
-/* One (sequence, KV head) group: its `group` query heads q [group, dim] -> out [group, dim]. */
+/* One (row, KV head) group: its `group` query heads q [group, dim] -> out [group, dim]. */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
                    int64_t dim, int64_t group, float scale, float *scores, float *out)
 {
@@ -212,14 +219,14 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 }
 
 /* Returns 0, or -1 when a scores buffer could not be allocated. */
-int decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                         const int64_t *pages, int64_t max_pages, const int64_t *lens, int64_t batch,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size,
-                         float scale, float *out)
+int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int64_t *pages, int64_t max_pages, const int64_t *seqs, const int64_t *lens,
+                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size,
+                        float scale, float *out)
 {
-    const int64_t group = num_heads / num_kv_heads, tasks = batch * num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads, tasks = rows * num_kv_heads;
     int64_t longest = 1;
-    for (int64_t b = 0; b < batch; b++)
+    for (int64_t b = 0; b < rows; b++)
         longest = lens[b] > longest ? lens[b] : longest;
     int failed = 0;
 #pragma omp parallel
@@ -237,7 +244,7 @@ int decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
             if (!scores || !offsets)
                 continue;
             const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
-            slot_offsets(pages + b * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
+            slot_offsets(pages + seqs[b] * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
             const float *qh = q + b * q_stride + h * group * dim;
             float *oh = out + (b * num_heads + h * group) * dim;
             attend(qh, k_cache, v_cache, offsets, lens[b], dim, group, scale, scores, oh);
