@@ -54,6 +54,7 @@ class LlamaModel:
             self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight"))
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.scale = cfg.head_dim ** -0.5
+        self.decoder = None  # all layers in one call (kernels.decoder), set by the runner where it applies
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -89,14 +90,17 @@ class LlamaModel:
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = self.rope_tables(positions)
-        h = None
-        for i, w in enumerate(self.layers):
-            x = ops.add_rms_norm(residual, h, w.input_norm, eps)
-            h = self._attention(x, w, kv[i], cos, sin, attn, plan)
-            x = ops.add_rms_norm(residual, h, w.post_norm, eps)
-            h = self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
-            if after_layer is not None:
-                after_layer(i)
+        if self.decoder is not None and after_layer is None:
+            h = self.decoder(residual, cos, sin, kv, plan)
+        else:
+            h = None
+            for i, w in enumerate(self.layers):
+                x = ops.add_rms_norm(residual, h, w.input_norm, eps)
+                h = self._attention(x, w, kv[i], cos, sin, attn, plan)
+                x = ops.add_rms_norm(residual, h, w.post_norm, eps)
+                h = self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
+                if after_layer is not None:
+                    after_layer(i)
         last = ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
         return self.linear(last, self.lm_head).float()
 

@@ -16,6 +16,7 @@ from backends.kv_cache import PagePool, allocate_kv_buffer
 from backends.model import load_model
 from backends.request import Request
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
+from kernels.decoder import pick_decoder
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ModelRunner:
                                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
         self.attn = create_backend(self.attention_backend, self.device)
+        self.model.decoder = pick_decoder(self.model, self.attn)
 
     def _num_pages(self) -> int:
         if self.cfg.num_pages:

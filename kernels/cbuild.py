@@ -39,10 +39,12 @@ def _cpu_id() -> bytes:
 
 
 def build(source: Path, out_dir: Path | None = None) -> Path:
-    """Compile `source` unless this source, its directory's headers, these flags and this CPU
-    have a library; its path."""
+    """Compile `source` unless this source, the other sources of its directory, these flags and
+    this CPU have a library; its path."""
     cc = os.environ.get("CC", "gcc")
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    # What it may include: the headers, and the kernels decoder.c compiles into itself.
+    others = sorted(p for p in source.parent.iterdir() if p.suffix in (".h", ".c") and p != source)
+    headers = b"".join(p.read_bytes() for p in others)
     key = hashlib.sha256(source.read_bytes() + headers + " ".join([cc, *FLAGS]).encode() + _cpu_id()).hexdigest()[:16]
     lib = (out_dir or cache_dir()) / f"{source.stem}-{key}.so"
     if lib.exists():

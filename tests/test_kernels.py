@@ -456,3 +456,48 @@ def test_serving_greedy_identical_torch_and_cpu(checkpoint):
     torch backend's greedy tokens (long enough for decodes over several pages)."""
     path = checkpoint("llama")
     assert serving_tokens(path, "cpu", 4, 40) == serving_tokens(path, "torch", 4, 40)
+
+
+# --------------------------------------------------------------------------- all layers in one C call
+
+
+def cpu_runner(path: str, backend: str = "cpu"):
+    from backends.config import EngineConfig
+    from backends.runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model_path=path, page_size=4, num_pages=64, attention_backend=backend,
+                                    threads=2))
+
+
+def test_decoder_call_is_bit_identical_to_per_op_loop(checkpoint):
+    """decoder.c runs the per-op path's kernels in its order: same logits and same K/V, bit for
+    bit, on a batch of two decodes, a fresh prefill and a chunk over a cached prefix."""
+    from backends.request import Request, SamplingParams
+    from backends.runner import Batch
+
+    runner = cpu_runner(checkpoint("llama"))
+    assert runner.model.decoder is not None
+    g = torch.Generator().manual_seed(7)
+    reqs = []
+    for i, length in enumerate([9, 21, 13, 30]):
+        req = Request(f"r{i}", torch.randint(3, 500, (length,), generator=g).tolist(), SamplingParams(), None, None)
+        req.pages = runner.pool.allocate(math.ceil(length / 4))
+        reqs.append(req)
+    runner.run(Batch([(reqs[0], 9), (reqs[1], 21), (reqs[3], 12)]))  # prefixes: two whole prompts, a chunk
+    reqs[0].num_computed, reqs[1].num_computed, reqs[3].num_computed = 8, 20, 12
+    batch = Batch([(reqs[0], 1), (reqs[1], 1), (reqs[2], 13), (reqs[3], 18)])
+    before = runner.kv.clone()
+    fused = runner.run(batch)
+    fused_kv = runner.kv.clone()
+    runner.kv.copy_(before)
+    runner.model.decoder = None
+    assert torch.equal(fused, runner.run(batch))
+    assert torch.equal(fused_kv, runner.kv)
+
+
+@pytest.mark.parametrize("arch,backend,fused", [("llama", "cpu", True), ("mistral", "cpu", True),
+                                                ("qwen2", "cpu", False), ("qwen3", "cpu", False),
+                                                ("llama", "torch", False)])
+def test_decoder_call_only_where_every_op_is_a_c_kernel(checkpoint, arch, backend, fused):
+    """A qkv bias (qwen2), q/k norms (qwen3) or the torch attention keep the per-op loop."""
+    assert (cpu_runner(checkpoint(arch), backend).model.decoder is not None) == fused

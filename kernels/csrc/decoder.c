@@ -1,0 +1,58 @@
+/* Every decoder layer of a Llama-family model for one batch, fp32, in one call.
+ *
+ * The ops are the other kernels of this directory, called in the model's order: this
+ * file only replaces the Python that sequenced them. That Python (about ten ctypes
+ * calls, tensor views and allocations a layer) ran on one thread while the other
+ * OpenMP thread spun in its barrier: 2.5-3.4 ms of a 20 ms decode step at 8
+ * sequences on the default model (perf: libpython, libtorch and libc on the engine
+ * thread, libgomp's spin on the other). Each op keeps its own parallel region, so
+ * the arithmetic, and the output, are those of the per-op path bit for bit.
+ *
+ * Per layer (weights[l * 6 + i] holds the address of):
+ *   x = rms_norm(residual += h) * input_norm[0]      (no add in layer 0)
+ *   qkv = x @ qkv[1]; rope on its q and k heads; k, v stored in their slots
+ *   h = attention(q over the pages) @ o_proj[2]
+ *   x = rms_norm(residual += h) * post_norm[3]
+ *   h = silu_mul(x @ gate_up[4]) @ down[5]
+ * and the last layer's h is left in `h`, not added, for the caller's final norm.
+ * Models with a qkv bias or q/k norms keep the per-op path.
+ */
+#include "layer_ops.c"
+#include "paged_attention.c"
+#include "panel_gemm.c"
+
+struct decoder_shape {
+    int64_t rows, hidden, layers, heads, kv_heads, dim, inter, page_size, max_pages;
+    float eps, scale;
+};
+
+/* kv: [layers, 2, P, S, Hkv, D] contiguous, kv_layer_stride floats from one layer to the
+ * next and v_offset from a layer's K to its V. Workspaces: x [rows, hidden], qkv [rows,
+ * (heads + 2 kv_heads) dim], attn [rows, heads dim], h [rows, hidden], gate_up [rows,
+ * 2 inter], act [rows, inter]. Returns 0, -1 without AVX-512 (nothing done), or -2 when
+ * the attention had no memory for its scores. */
+int decoder_layers_f32(const struct decoder_shape *s, float *residual, const int64_t *weights, const float *cos,
+                       const float *signed_sin, float *kv, int64_t kv_layer_stride, int64_t v_offset,
+                       const int64_t *slots, const int64_t *pages, const int64_t *seqs, const int64_t *lens,
+                       float *x, float *qkv, float *attn, float *h, float *gate_up, float *act)
+{
+    const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, width = q_size + 2 * kv_size;
+    for (int64_t l = 0; l < s->layers; l++) {
+        const float *const *w = (const float *const *)(weights + 6 * l);
+        float *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + v_offset;
+        add_rms_norm_f32(residual, l ? h : NULL, w[0], x, s->rows, s->hidden, s->eps);
+        if (panel_gemm_f32(x, s->hidden, w[1], s->rows, width, s->hidden, qkv) != 0)
+            return -1;
+        rope_f32(qkv, width, s->rows, s->heads + s->kv_heads, s->dim, cos, signed_sin);
+        store_kv_f32(qkv + q_size, width, qkv + q_size + kv_size, width, slots, s->rows, kv_size, k_cache, v_cache);
+        if (paged_attention_f32(qkv, width, k_cache, v_cache, pages, s->max_pages, seqs, lens, s->rows, s->heads,
+                                s->kv_heads, s->dim, s->page_size, s->scale, attn) != 0)
+            return -2;
+        panel_gemm_f32(attn, q_size, w[2], s->rows, s->hidden, q_size, h);
+        add_rms_norm_f32(residual, h, w[3], x, s->rows, s->hidden, s->eps);
+        panel_gemm_f32(x, s->hidden, w[4], s->rows, 2 * s->inter, s->hidden, gate_up);
+        silu_mul_f32(gate_up, s->rows, s->inter, act);
+        panel_gemm_f32(act, s->inter, w[5], s->rows, s->hidden, s->inter, h);
+    }
+    return 0;
+}

@@ -1,0 +1,79 @@
+"""All decoder layers in one C call (csrc/decoder.c) where every op has a C kernel.
+
+The model's per-op loop (backends.model) stays the reference and the path of GPUs,
+other dtypes, models with a qkv bias or q/k norms, and the prefill side of a hand-off
+(which runs Python after each layer). On a CPU in fp32 with the panel GEMM, the C
+layer ops and the paged attention kernel, this runs the same kernels in the same
+order without the Python between them (see decoder.c for the why and the numbers).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cbuild
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class DecoderShape(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("rows", "hidden", "layers", "heads", "kv_heads", "dim", "inter",
+                                          "page_size", "max_pages")] + [("eps", _f32), ("scale", _f32)]
+
+
+# shape, residual, weights, cos, signed_sin, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens,
+# x, qkv, attn, h, gate_up, act
+ARGTYPES = (ctypes.POINTER(DecoderShape), _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
+            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
+SIGNATURES = {"decoder_layers_f32": ARGTYPES}
+
+
+class CpuDecoder:
+    """Built once per model from its prepared weights; call it once per forward."""
+
+    def __init__(self, model):
+        cfg = model.cfg
+        self._kernel = cbuild.load("decoder", SIGNATURES).decoder_layers_f32
+        self.cfg, self.scale = cfg, model.scale
+        # The weights' addresses, six a layer in the order decoder.c reads them; the model keeps them alive.
+        self.weights = torch.tensor([t.data_ptr() for w in model.layers for t in (
+            w.input_norm, w.qkv.panels, w.o_proj.panels, w.post_norm, w.gate_up.panels, w.down.panels)],
+            dtype=torch.int64)
+
+    def __call__(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: torch.Tensor,
+                 plan) -> torch.Tensor:
+        """Runs every layer on residual [T, hidden] (updated in place) with the K/V of `plan`'s rows
+        (a kernels.cpu_backend.RowPlan); returns the last layer's h [T, hidden], not yet added."""
+        c, rows = self.cfg, residual.shape[0]
+        empty = lambda width: torch.empty((rows, width), dtype=torch.float32)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        x, qkv, attn, h = empty(c.hidden_size), empty(q_size + 2 * kv_size), empty(q_size), empty(c.hidden_size)
+        gate_up, act = empty(2 * c.intermediate_size), empty(c.intermediate_size)
+        shape = DecoderShape(rows, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                             c.intermediate_size, kv.shape[3], plan.pages.shape[1], c.rms_norm_eps, self.scale)
+        rc = self._kernel(ctypes.byref(shape), residual.data_ptr(), self.weights.data_ptr(), cos.data_ptr(),
+                          signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1),
+                          plan.meta.slot_mapping.data_ptr(), plan.pages.data_ptr(), plan.seqs.data_ptr(),
+                          plan.lens.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), h.data_ptr(),
+                          gate_up.data_ptr(), act.data_ptr())
+        if rc == -2:
+            raise MemoryError("paged attention: no memory for the scores buffer")
+        if rc != 0:
+            raise RuntimeError("decoder_layers_f32 was built without AVX-512")
+        return h
+
+
+def pick_decoder(model, attn) -> CpuDecoder | None:
+    """The one-call decoder where every op it runs is the C kernel the per-op loop would run."""
+    from kernels.cpu_backend import CpuAttention
+    from kernels.layer_ops import CpuOps
+    from kernels.linear import PanelLinear
+
+    cfg = model.cfg
+    if not (isinstance(model.linear, PanelLinear) and isinstance(model.ops, CpuOps)
+            and isinstance(attn, CpuAttention)) or cfg.qkv_bias or cfg.qk_norm:
+        return None
+    if not cbuild.available("decoder", SIGNATURES):
+        return None
+    return CpuDecoder(model)
