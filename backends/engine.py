@@ -39,6 +39,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.runner, tuple(e for e in eos if e is not None), role)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Runs on the engine thread after every step (the Triton adapter finishes the step's sends).
+        self.after_step: Callable[[], None] | None = None
 
     @property
     def max_context(self) -> int:
@@ -89,6 +91,8 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self.scheduler.step()
+                if self.after_step is not None:
+                    self.after_step()
             except Exception:  # keep serving; the step already failed its own requests
                 log.exception("engine step failed")
 
