@@ -269,9 +269,10 @@ class SendPool:
         self.pending.append(self.pool.submit(fn, *args))
 
     def drain(self) -> None:
-        for future in self.pending:
-            future.result()  # a stream's own failures end that stream (ResponseStream.__call__)
-        self.pending.clear()
+        pending, self.pending = self.pending, []
+        for future in pending:  # a stream's own failures end that stream (ResponseStream.__call__)
+            if future.exception() is not None:
+                log.error("sending a response failed: %r", future.exception())
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

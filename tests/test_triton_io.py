@@ -84,3 +84,30 @@ def test_engine_gauges_set_only_when_changed():
     metrics.update({"running": 1, "waiting": 0, "kv_pages_free": 8, "kv_pages_total": 8})
     metrics.update({"running": 1, "waiting": 0, "kv_pages_free": 8, "kv_pages_total": 8})
     assert sets[4:] == [("tandem_running", 1.0)]
+
+
+def test_send_pool_overlaps_a_steps_sends_and_drain_waits_for_them():
+    """Two sends that each wait for the other finish only if they run at once; drain returns
+    after both, and a failed send is logged, not raised into every later step."""
+    import threading
+    import time
+
+    from backends.triton_adapter import SendPool
+
+    pool, both, done = SendPool(4), threading.Barrier(2, timeout=5), []
+
+    def send(name):
+        both.wait()
+        time.sleep(0.05)
+        done.append(name)
+
+    pool.submit(send, "a")
+    pool.submit(send, "b")
+    pool.drain()
+    assert sorted(done) == ["a", "b"] and pool.pending == []
+    pool.submit(lambda: 1 / 0)
+    pool.drain()
+    pool.submit(done.append, "c")
+    pool.drain()
+    assert done[-1] == "c" and pool.pending == []
+    pool.close()
