@@ -271,8 +271,8 @@ class SendPool:
     def drain(self) -> None:
         pending, self.pending = self.pending, []
         for future in pending:  # a stream's own failures end that stream (ResponseStream.__call__)
-            if future.exception() is not None:
-                log.error("sending a response failed: %r", future.exception())
+            if (exc := future.exception()) is not None:
+                log.error("sending a response failed: %r", exc)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

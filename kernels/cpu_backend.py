@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cbuild, layer_ops
-from kernels.base import AttentionMetadata
+from kernels.base import AttentionBackend, AttentionMetadata
 from kernels.layer_ops import CpuOps
 from kernels.torch_ref import TorchAttention, TorchPlan
 
@@ -65,9 +65,9 @@ class CpuAttention(TorchAttention):
             return super().store_kv(k, v, k_cache, v_cache, plan)
         self._ops.store_kv(k, v, k_cache, v_cache, plan.meta.slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: RowPlan, scale: float) -> torch.Tensor:
-        self.store_kv(k, v, k_cache, v_cache, plan)
-        return self.attend(q, k_cache, v_cache, plan, scale)
+    # The interface's own order (store the new K/V, then attend over the pages), not
+    # TorchAttention's, which attends over the new K/V of a fresh prompt directly.
+    forward = AttentionBackend.forward
 
     def attend(self, q, k_cache, v_cache, plan: RowPlan, scale: float) -> torch.Tensor:
         rows, hq, dim = q.shape
