@@ -84,7 +84,7 @@ class Request:
         self.arrival = next(_arrival)
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.emitted_ids = 0   # output tokens already sent to the sink
-        self.last_logprob = 0.0
+        self.last_logprob: float | None = None   # computed only where a hand-off carries it
         # disaggregated hand-off: the bootstrap room pairs the prefill and decode halves
         self.room = room
         self.meta_slot: int | None = None

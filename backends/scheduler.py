@@ -30,6 +30,8 @@ log = logging.getLogger("tandem.scheduler")
 class ColocatedRole:
     """Requests come from the adapter and decode here after their prefill."""
 
+    carries_logprobs = False   # whether sampled tokens need their logprob (a hand-off carries it)
+
     def attach(self, scheduler: "Scheduler") -> None:
         pass
 
@@ -169,8 +171,8 @@ class Scheduler:
         if not samples:
             return
         stop_ids = [self.stop_ids(r) for r in samples]
-        tokens, logprobs = sample(logits, samples, stop_ids)
-        for req, token, logprob, ids in zip(samples, tokens, logprobs, stop_ids):
+        tokens, logprobs = sample(logits, samples, stop_ids, self.role.carries_logprobs)
+        for req, token, logprob, ids in zip(samples, tokens, logprobs or [None] * len(tokens), stop_ids):
             self.append_token(req, token, logprob, ids)
 
     def stop_ids(self, req: Request) -> list[int]:
@@ -178,7 +180,7 @@ class Scheduler:
             return []
         return [req.params.end_id] if req.params.end_id is not None else self.eos_ids
 
-    def append_token(self, req: Request, token: int, logprob: float, stop_ids: list[int]) -> None:
+    def append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
         req.output_ids.append(token)
         req.last_logprob = logprob
         if self.role.on_sampled(req):

@@ -3,6 +3,7 @@ sampling options; the KV pool is whole after every scenario."""
 import threading
 
 import pytest
+import torch
 
 from backends.engine import InvalidRequest
 from backends.request import SamplingParams
@@ -105,6 +106,24 @@ def test_sampling_seed_top_k_top_p(engine):
     greedy = token_ids(collect(engine, [p], SamplingParams(max_tokens=16))[0])
     assert sampled(seed=3, top_k=1) == greedy
     assert sampled(seed=3, top_p=1e-6) == greedy  # the nucleus is the top token alone
+
+
+def test_logprobs_only_where_a_hand_off_carries_them():
+    from backends.disagg.decode import DecodeRole
+    from backends.disagg.prefill import PrefillRole
+    from backends.request import Request
+    from backends.sampler import sample
+    from backends.scheduler import ColocatedRole
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), None, None) for i in range(3)]
+    tokens, logprobs = sample(logits.clone(), reqs, [[], [], []], with_logprobs=True)
+    assert tokens == logits.argmax(-1).tolist()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs), want, atol=1e-5)
+    assert sample(logits.clone(), reqs, [[], [], []], with_logprobs=False) == (tokens, None)
+    assert PrefillRole.carries_logprobs and not ColocatedRole.carries_logprobs
+    assert not DecodeRole.carries_logprobs   # its first token's logprob arrives with the KV
 
 
 def test_bad_prompts_are_refused(engine):

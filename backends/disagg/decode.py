@@ -23,6 +23,8 @@ PING_S = 0.5
 
 
 class DecodeRole:
+    carries_logprobs = False
+
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
         self.host, self.port = cfg.prefill_host_port

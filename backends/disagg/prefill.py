@@ -30,6 +30,8 @@ def prefill_agent_name(port: int) -> str:
 
 
 class PrefillRole:
+    carries_logprobs = True   # the first token's logprob travels with the KV
+
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
         self.bootstrap: dict[int, Request] = {}         # room -> request waiting for its destination
