@@ -35,7 +35,8 @@ class EngineConfig:
         "doc": "KV pages in the pool; 0 = enough for max_running_requests full contexts, capped by kv_memory_gb"})
     kv_memory_gb: float = field(default=0.5, metadata={
         "doc": "KV pool cap when num_pages is 0 (per engine: the default repository runs three)"})
-    max_batch_tokens: int = field(default=512, metadata={"doc": "token budget of one step (decodes + prefill chunks)"})
+    max_batch_tokens: int = field(default=0, metadata={
+        "doc": "token budget of one step (decodes + prefill chunks); 0 = auto: 128 on cpu, 2048 on cuda"})
     chunk_size: int = field(default=512, metadata={"doc": "most prompt tokens of one request in one step (chunked prefill)"})
     max_running_requests: int = field(default=64, metadata={"doc": "most requests in the running batch"})
     max_context: int = field(default=0, metadata={"doc": "longest prompt + output; 0 = the model's max_position_embeddings"})
@@ -45,11 +46,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        for name in ("page_size", "max_batch_tokens", "chunk_size", "max_running_requests", "default_max_tokens"):
+        for name in ("page_size", "chunk_size", "max_running_requests", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_pages < 0 or self.threads < 0 or self.max_context < 0:
-            raise ValueError("num_pages, threads and max_context must be >= 0")
+        if self.num_pages < 0 or self.threads < 0 or self.max_context < 0 or self.max_batch_tokens < 0:
+            raise ValueError("num_pages, threads, max_context and max_batch_tokens must be >= 0")
 
     @staticmethod
     def from_params(params: dict[str, str], **overrides) -> "EngineConfig":
@@ -85,6 +86,16 @@ class EngineConfig:
         if self.dtype not in dtypes:
             raise ValueError(f"dtype must be auto or one of {list(dtypes)}, got {self.dtype!r}")
         return dtypes[self.dtype]
+
+    @property
+    def batch_tokens(self) -> int:
+        """The step's token budget. On CPU a prefill costs the same per token in chunks of 128
+        as of 512, and small chunks let the waiting requests start sooner: through tritonserver
+        TTFT p50 at 8 and 16 streams went 389 / 487 and 789 / 646 ms -> 283 / 235 and 393 / 345 ms
+        at the same tok/s. A GPU wants big prefill steps to fill its cores."""
+        if self.max_batch_tokens:
+            return self.max_batch_tokens
+        return 2048 if self.torch_device.type == "cuda" else 128
 
     @property
     def num_threads(self) -> int:

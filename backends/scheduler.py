@@ -118,7 +118,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        budget, items = self.cfg.max_batch_tokens, []
+        budget, items = self.cfg.batch_tokens, []
         for req in list(self.running):
             if budget == 0:
                 break

@@ -22,7 +22,13 @@ def test_environment_overrides_model_path(monkeypatch):
     assert EngineConfig.from_params({"model_path": "/models/mine"}).model_path == "/models/other"
 
 
-@pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}])
+def test_step_budget_is_per_device_unless_set():
+    assert EngineConfig(device="cpu").batch_tokens == 128
+    assert EngineConfig(device="cuda").batch_tokens == 2048
+    assert EngineConfig(device="cpu", max_batch_tokens=300).batch_tokens == 300
+
+
+@pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}, {"max_batch_tokens": -1}])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
