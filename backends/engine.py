@@ -39,8 +39,6 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.runner, tuple(e for e in eos if e is not None), role)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # Runs on the engine thread after every step (the Triton adapter finishes the step's sends).
-        self.after_step: Callable[[], None] | None = None
 
     @property
     def max_context(self) -> int:
@@ -90,9 +88,9 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.scheduler.step()
-                if self.after_step is not None:
-                    self.after_step()
+                ran = self.scheduler.step()
+                if not ran and self.scheduler.before_process is not None:
+                    self.scheduler.before_process()
             except Exception:  # keep serving; the step already failed its own requests
                 log.exception("engine step failed")
 

@@ -16,6 +16,7 @@ import collections
 import logging
 import threading
 import traceback
+from typing import Callable
 
 import torch
 
@@ -68,6 +69,10 @@ class Scheduler:
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self.num_preemptions = 0
+        # Called after each forward, before its outputs go to the sinks (and when the loop
+        # idles): the Triton adapter waits there for the previous step's sends, so they overlap
+        # this step's forward yet a stream's responses keep their order.
+        self.before_process: Callable[[], None] | None = None
         self.role.attach(self)
 
     # ---- called from other threads -------------------------------------------------
@@ -95,6 +100,8 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 logits = self.runner.run(batch, self.role_layer_hook(batch))
+                if self.before_process is not None:
+                    self.before_process()
                 self.process(batch, logits)
         except Exception as exc:  # a bad batch must not take the engine down
             log.error("step failed: %s", traceback.format_exc())
