@@ -36,7 +36,8 @@ class EngineConfig:
     kv_memory_gb: float = field(default=0.5, metadata={
         "doc": "KV pool cap when num_pages is 0 (per engine: the default repository runs three)"})
     max_batch_tokens: int = field(default=0, metadata={
-        "doc": "token budget of one step (decodes + prefill chunks); 0 = auto: 128 on cpu, 2048 on cuda"})
+        "doc": "token budget of one step (decodes + prefill chunks); 0 = auto: 128 on cpu, 2048 on cuda, "
+               "at least max_running_requests"})
     chunk_size: int = field(default=512, metadata={"doc": "most prompt tokens of one request in one step (chunked prefill)"})
     max_running_requests: int = field(default=64, metadata={"doc": "most requests in the running batch"})
     max_context: int = field(default=0, metadata={"doc": "longest prompt + output; 0 = the model's max_position_embeddings"})
@@ -92,10 +93,11 @@ class EngineConfig:
         """The step's token budget. On CPU a prefill costs the same per token in chunks of 128
         as of 512, and small chunks let the waiting requests start sooner: through tritonserver
         TTFT p50 at 8 and 16 streams went 389 / 487 and 789 / 646 ms -> 283 / 235 and 393 / 345 ms
-        at the same tok/s. A GPU wants big prefill steps to fill its cores."""
+        at the same tok/s. A GPU wants big prefill steps to fill its cores. Auto never leaves a
+        running request's decode out of a step."""
         if self.max_batch_tokens:
             return self.max_batch_tokens
-        return 2048 if self.torch_device.type == "cuda" else 128
+        return max(2048 if self.torch_device.type == "cuda" else 128, self.max_running_requests)
 
     @property
     def num_threads(self) -> int:

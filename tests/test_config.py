@@ -26,6 +26,7 @@ def test_step_budget_is_per_device_unless_set():
     assert EngineConfig(device="cpu").batch_tokens == 128
     assert EngineConfig(device="cuda").batch_tokens == 2048
     assert EngineConfig(device="cpu", max_batch_tokens=300).batch_tokens == 300
+    assert EngineConfig(device="cpu", max_running_requests=200).batch_tokens == 200  # every decode fits
 
 
 @pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}, {"max_batch_tokens": -1}])
