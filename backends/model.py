@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from backends.model_config import ModelConfig, rope_inv_freq
 from kernels import AttentionBackend
+from kernels.greedy_head import pick_greedy_head
 from kernels.layer_ops import pick_ops, rms_norm
 from kernels.linear import pick_linear
 
@@ -50,8 +51,9 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight")
         self.layers = [self._layer(get, weights, i) for i in range(cfg.num_layers)]
         self.norm = get("model.norm.weight")
-        self.lm_head = self.linear.prepare(
-            self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight"))
+        head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
+        self.lm_head = self.linear.prepare(head)
+        self.greedy_head = pick_greedy_head(self.linear, head, self.lm_head)  # None: greedy from full logits
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.scale = cfg.head_dim ** -0.5
         self.decoder = None  # all layers in one call (kernels.decoder), set by the runner where it applies
@@ -83,7 +85,8 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 attn: AttentionBackend, plan: object, logit_rows: torch.Tensor,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids, positions [T]; kv [L, 2, P, S, Hkv, D]; returns logits [len(logit_rows), V].
+        """input_ids, positions [T]; kv [L, 2, P, S, Hkv, D]; returns the final-norm hidden
+        states of `logit_rows` [len(logit_rows), hidden], the lm_head's input (`logits`, `greedy`).
 
         `after_layer(i)` runs once layer i's KV is in the cache (the prefill side
         of a hand-off posts its layer-group writes from there)."""
@@ -101,8 +104,16 @@ class LlamaModel:
                 h = self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
                 if after_layer is not None:
                     after_layer(i)
-        last = ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
-        return self.linear(last, self.lm_head).float()
+        return ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] (forward's output) -> fp32 logits [n, V]."""
+        return self.linear(hidden, self.lm_head).float()
+
+    def greedy(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
+        """argmax of `logits(hidden)` per row, row i never one of banned[i], exactly, without all
+        the logits (kernels.greedy_head); None where this model has no such head."""
+        return self.greedy_head(hidden, banned) if self.greedy_head is not None else None
 
     def _attention(self, x, w: LayerWeights, kv_layer, cos, sin, attn, plan) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]

@@ -64,7 +64,8 @@ class ModelRunner:
         return max(1, min(wanted, int(self.cfg.kv_memory_gb * 2**30 // page_bytes)))
 
     def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward of every item's new tokens; logits [len(batch.samples), V] (fp32)."""
+        """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
+        (`model.logits` / `model.greedy` turn it into tokens: backends.sampler)."""
         if self._step_thread != threading.get_ident() and self.device.type == "cpu":
             self._step_thread = threading.get_ident()
             torch.set_num_threads(self.cfg.num_threads)

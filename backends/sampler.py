@@ -1,5 +1,7 @@
-"""Token choice for a batch of logit rows: greedy rows in one argmax, sampled
-rows (temperature, top-k, top-p, per-request seed) one by one."""
+"""Token choice for a batch of rows of the lm_head's input: greedy rows that need no logits
+through the model's exact greedy head where it has one (kernels.greedy_head), the rest from
+full logits: greedy rows in one argmax, sampled rows (temperature, top-k, top-p,
+per-request seed) one by one."""
 from __future__ import annotations
 
 import torch
@@ -7,12 +9,36 @@ import torch
 from backends.request import Request
 
 
-def sample(logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
+def sample(model, hidden: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
            with_logprobs: bool = True) -> tuple[list[int], list[float] | None]:
+    """hidden [n, hidden], one row per request (runner.run's output); `model` has `logits(rows)`
+    and `greedy(rows, banned)` (None where it cannot). Returns token ids and, if asked, their
+    logprobs. Greedy rows go to `greedy` unless logprobs are asked for."""
+    fast = [] if with_logprobs else [row for row, req in enumerate(requests) if req.params.greedy]
+    banned = [stop_ids[row] if _masked(requests[row], stop_ids[row]) else [] for row in fast]
+    fast_tokens = model.greedy(hidden[fast], banned) if fast else None
+    if fast_tokens is None:
+        return sample_logits(model.logits(hidden), requests, stop_ids, with_logprobs)
+    if len(fast) == len(requests):
+        return fast_tokens, None
+    rest = sorted(set(range(len(requests))) - set(fast))
+    rest_tokens, _ = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
+                                   [stop_ids[r] for r in rest], with_logprobs=False)
+    by_row = dict(zip(fast, fast_tokens)) | dict(zip(rest, rest_tokens))
+    return [by_row[row] for row in range(len(requests))], None
+
+
+def _masked(req: Request, stop_ids: list[int]) -> bool:
+    """Its stop tokens are barred until min_tokens: its argmax is over part of the vocabulary."""
+    return bool(stop_ids) and len(req.output_ids) < req.params.min_tokens
+
+
+def sample_logits(logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
+                  with_logprobs: bool = True) -> tuple[list[int], list[float] | None]:
     """logits [n, V] fp32, one row per request; returns token ids and, if asked, their logprobs
     (a logsumexp over the vocabulary: 0.37 ms of a 23 ms step at 16 rows of the default model)."""
     for row, (req, ids) in enumerate(zip(requests, stop_ids)):
-        if ids and len(req.output_ids) < req.params.min_tokens:
+        if _masked(req, ids):
             logits[row, ids] = float("-inf")  # no end before min_tokens
     tokens = logits.argmax(dim=-1)
     for row, req in enumerate(requests):

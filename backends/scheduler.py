@@ -4,8 +4,8 @@
         take new requests and aborts          (_take_inbox)
         role-specific queues advance          (role.advance)
         batch = schedule()                    (decodes and prefill chunks in one token budget)
-        logits = runner.run(batch)
-        process(batch, logits)                (sample, stream, finish, free)
+        hidden = runner.run(batch)
+        process(batch, hidden)                (sample, stream, finish, free)
 
 Roles (colocated, prefill, decode) differ only in where requests come from and
 where finished prefills go (`backends.roles`); they plug into this loop.
@@ -99,10 +99,10 @@ class Scheduler:
             return False
         try:
             with torch.inference_mode():
-                logits = self.runner.run(batch, self.role_layer_hook(batch))
+                hidden = self.runner.run(batch, self.role_layer_hook(batch))
                 if self.before_process is not None:
                     self.before_process()
-                self.process(batch, logits)
+                self.process(batch, hidden)
         except Exception as exc:  # a bad batch must not take the engine down
             log.error("step failed: %s", traceback.format_exc())
             for req, _ in batch.items:
@@ -171,14 +171,14 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- results -------------------------------------------------------------------
-    def process(self, batch: Batch, logits) -> None:
+    def process(self, batch: Batch, hidden) -> None:
         for req, n in batch.items:
             req.num_computed += n
         samples = batch.samples
         if not samples:
             return
         stop_ids = [self.stop_ids(r) for r in samples]
-        tokens, logprobs = sample(logits, samples, stop_ids, self.role.carries_logprobs)
+        tokens, logprobs = sample(self.runner.model, hidden, samples, stop_ids, self.role.carries_logprobs)
         for req, token, logprob, ids in zip(samples, tokens, logprobs or [None] * len(tokens), stop_ids):
             self.append_token(req, token, logprob, ids)
 

@@ -35,8 +35,8 @@ def tandem_logits(model, ids: list[int], chunk: int, page_size: int = 4) -> torc
     for start in range(0, len(ids), chunk):
         end = min(start + chunk, len(ids))
         meta = AttentionMetadata.build([end - start], [end], [pages], page_size)
-        out.append(model.forward(torch.tensor(ids[start:end]), torch.arange(start, end), kv, attn,
-                                 attn.plan(meta), torch.arange(end - start)))
+        out.append(model.logits(model.forward(torch.tensor(ids[start:end]), torch.arange(start, end), kv, attn,
+                                              attn.plan(meta), torch.arange(end - start))))
     return torch.cat(out)
 
 

@@ -112,16 +112,16 @@ def test_logprobs_only_where_a_hand_off_carries_them():
     from backends.disagg.decode import DecodeRole
     from backends.disagg.prefill import PrefillRole
     from backends.request import Request
-    from backends.sampler import sample
+    from backends.sampler import sample_logits
     from backends.scheduler import ColocatedRole
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), None, None) for i in range(3)]
-    tokens, logprobs = sample(logits.clone(), reqs, [[], [], []], with_logprobs=True)
+    tokens, logprobs = sample_logits(logits.clone(), reqs, [[], [], []], with_logprobs=True)
     assert tokens == logits.argmax(-1).tolist()
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(logprobs), want, atol=1e-5)
-    assert sample(logits.clone(), reqs, [[], [], []], with_logprobs=False) == (tokens, None)
+    assert sample_logits(logits.clone(), reqs, [[], [], []], with_logprobs=False) == (tokens, None)
     assert PrefillRole.carries_logprobs and not ColocatedRole.carries_logprobs
     assert not DecodeRole.carries_logprobs   # its first token's logprob arrives with the KV
 

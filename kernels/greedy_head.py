@@ -1,0 +1,118 @@
+"""Greedy tokens from the last hidden rows without the full fp32 lm_head (csrc/greedy_head.c).
+
+A bf16 copy of the head screens every logit to within a proven bound and only the few
+tokens that can still win are computed again in fp32, the way the panel GEMM computes
+them: the token is exactly argmax of the fp32 logits (first index on ties), for about
+half of the head's weight stream. Only for the panel GEMM's packing (fp32, AVX-512) on a
+CPU with AVX-512 BF16; `pick_greedy_head` returns None elsewhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import torch
+
+from kernels.linear import PackedWeight, PanelLinear
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+LANES = 16  # outputs per bf16 panel; csrc/greedy_head.c's LANES
+# x, ldx, bf16 panels, fp32 panels, norms, M, N, K, banned, offsets, scratch, tokens, candidates
+SIGNATURES = {"greedy_head": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr)}
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> bf16 panels [ceil(N / 16), ceil(K / 2), 16, 2], zero-padded, round to nearest."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // LANES) * LANES, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return padded.view(-1, LANES, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """||W_j|| in fp64, then fp32 (the kernel's bound allows for that rounding), zero-padded to 16."""
+    n = weight.shape[0]
+    norms = torch.zeros(-(-n // LANES) * LANES, dtype=torch.float32)
+    norms[:n] = weight.double().norm(dim=1)
+    return norms
+
+
+class GreedyHead:
+    def __init__(self, weight: torch.Tensor, packed: PackedWeight):
+        from kernels import cbuild
+
+        self._kernel = cbuild.load("greedy_head", SIGNATURES).greedy_head
+        self.packed, self.bf16, self.norms = packed, pack_bf16(weight.float()), row_norms(weight.float())
+        self.n, self.k = weight.shape
+        self.candidates = 0  # exact logits computed so far (over all rows): the screen's hit count
+
+    def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
+        """Greedy token of each row of hidden [M, K] fp32, row m never one of banned[m]; None where
+        the kernel cannot answer (built without AVX-512 BF16, a row that is not finite, or all of
+        a row barred): then take the full logits."""
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        m = hidden.shape[0]
+        banned = banned or [[]] * m
+        flat = torch.tensor([t for ids in banned for t in ids] or [0], dtype=torch.int64)
+        offsets = torch.tensor([0, *itertools.accumulate(len(ids) for ids in banned)], dtype=torch.int64)
+        scratch = torch.empty(m, self.norms.numel(), dtype=torch.float32)
+        tokens = torch.empty(m, dtype=torch.int64)
+        count = ctypes.c_int64(0)
+        rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.bf16.data_ptr(), self.packed.panels.data_ptr(),
+                          self.norms.data_ptr(), m, self.n, self.k, flat.data_ptr(), offsets.data_ptr(),
+                          scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(count))
+        if rc != 0:
+            return None
+        self.candidates += count.value
+        return tokens.tolist()
+
+    def runs_here(self) -> bool:
+        return self(torch.ones(1, self.k)) is not None
+
+
+def pick_greedy_head(linear, weight: torch.Tensor, packed) -> GreedyHead | None:
+    """The screened head where the lm_head is the panel GEMM's and the CPU has AVX-512 BF16."""
+    from kernels import cbuild
+
+    if not isinstance(linear, PanelLinear) or not cbuild.available("greedy_head", SIGNATURES):
+        return None
+    head = GreedyHead(weight, packed)
+    return head if head.runs_here() else None
+
+
+def main() -> None:
+    """`python -m kernels.greedy_head [model_dir]`: the default model's head, full fp32 logits +
+    argmax against the screened head, at 1 / 8 / 16 rows of random hidden states (medians)."""
+    import statistics
+    import sys
+    import time
+
+    from backends.model import load_weights
+    from backends.prepare_model import DEFAULT_DIR
+
+    torch.set_num_threads(2)
+    weights = load_weights(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DIR)
+    weight = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    linear = PanelLinear()
+    head = pick_greedy_head(linear, weight, linear.prepare(weight))
+    if head is None:
+        sys.exit("no greedy head on this CPU (needs AVX-512 BF16)")
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 8, 16):
+        x = torch.randn(rows, weight.shape[1], generator=g)
+        times = {}
+        for name, fn in (("full", lambda: linear(x, head.packed).argmax(-1).tolist()), ("screened", lambda: head(x))):
+            fn()
+            samples = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times[name] = statistics.median(samples) * 1e3
+        print(f"{rows:2d} rows: full {times['full']:.2f} ms, screened {times['screened']:.2f} ms, "
+              f"{times['full'] / times['screened']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
