@@ -3,18 +3,19 @@
  * A row is one new token: a decode is one row, a prefill chunk of n tokens is n rows of
  * one sequence, row j attending to the positions up to its own (lens[row]). Its new K/V
  * are already in the pages, so every row is the same problem and one call covers a
- * mixed batch. K/V are read straight from the pages (no gather copy), and each (row,
- * KV head) pair is one task: the G query heads of that KV head share every K and V row
- * it loads. Two passes over the context: scores, then a softmax-weighted sum of V. With
- * AVX-512 and a head dim of 32, 64 or 128, the scores are taken 16 tokens at a time and
- * summed across lanes together, and the outputs stay in registers through the pass over
- * V (16 x 192 tokens, 30 layers: 6.0 -> 5.7 ms; 1 x 300: 0.63 -> 0.45 ms); other dims
- * take a general loop. The rows of a prefill chunk re-read their sequence's K/V from
- * cache; against torch's SDPA (flash attention for CPU) on the default model's heads
- * that is 0.30 -> 0.15 ms for a 128-token prompt, 3.7 -> 2.2 ms for 512, and no slower
- * for 512 new tokens over 2048 or 4096 (15 -> 15 ms, 35 -> 34 ms). The OpenMP team
- * is torch's (libgomp.so.1 is already loaded by torch when this library is opened), so
- * it never competes with a second pool.
+ * mixed batch. K/V are read straight from the pages (no gather copy). A task is one
+ * row's KV heads, all of them or one (see the driver below); the G query heads of a
+ * KV head share every K and V row it loads. Two passes over the context: scores, then
+ * a softmax-weighted sum of V. With AVX-512 and a head dim of 32, 64 or 128, the
+ * scores are taken 16 tokens at a time and summed across lanes together, and the
+ * outputs stay in registers through the pass over V (16 x 192 tokens, 30 layers: 6.0
+ * -> 5.7 ms; 1 x 300: 0.63 -> 0.45 ms); other dims take a general loop. The rows of
+ * a prefill chunk re-read their sequence's K/V from cache; against torch's SDPA (flash
+ * attention for CPU) on the default model's heads that is 0.30 -> 0.15 ms for a
+ * 128-token prompt, 3.7 -> 2.2 ms for 512, and no slower for 512 new tokens over 2048
+ * or 4096 (15 -> 15 ms, 35 -> 34 ms). The OpenMP team is torch's (libgomp.so.1 is
+ * already loaded by torch when this library is opened), so it never competes with a
+ * second pool.
  *
  * Shapes: q [R, Hq, D] with q_stride floats between rows (heads contiguous); k_cache,
  * v_cache [P, S, Hkv, D] contiguous; pages [B, max_pages] int64 (a page table per
@@ -22,6 +23,7 @@
  * attends to, its own included); out [R, Hq, D] contiguous.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,32 +132,36 @@ static inline __m512 sum16(const __m512 v[16])
     return _mm512_permutexvar_ps(order, sums);
 }
 
-/* scores_scalar for dim = 16 * DV: 16 tokens at a time, their K rows loaded once for
- * all of the group's query heads (from L1 after the first). */
+/* scores_scalar for dim = 16 * DV over `heads` KV heads of each slot: 16 tokens at a
+ * time, their slots (heads * dim floats, contiguous) loaded once for all of the query
+ * heads they serve (from L1 after the first). */
 static inline __attribute__((always_inline)) void scores_avx512(const float *q, const float *k_cache,
                                                                const int64_t *offsets, int64_t len, const int DV,
-                                                               int64_t group, float scale, float *scores)
+                                                               int64_t heads, int64_t group, float scale,
+                                                               float *scores)
 {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? (int)(len - t0) : 16;
         for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 16; t++)
-            prefetch_row(k_cache, offsets, t, len, 16 * DV);
-        for (int64_t g = 0; g < group; g++) {
-            __m512 qv[8], acc[16];
-            for (int c = 0; c < DV; c++)
-                qv[c] = _mm512_loadu_ps(q + g * 16 * DV + 16 * c);
-            for (int j = 0; j < 16; j++) {
-                acc[j] = _mm512_setzero_ps();
-                if (j < n) {
-                    const float *k = k_cache + offsets[t0 + j];
-                    for (int c = 0; c < DV; c++)
-                        acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+            prefetch_row(k_cache, offsets, t, len, heads * 16 * DV);
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t g = 0; g < group; g++) {
+                const float *k_head = k_cache + h * 16 * DV, *qg = q + (h * group + g) * 16 * DV;
+                __m512 qv[8], acc[16];
+                for (int c = 0; c < DV; c++)
+                    qv[c] = _mm512_loadu_ps(qg + 16 * c);
+                for (int j = 0; j < 16; j++) {
+                    acc[j] = _mm512_setzero_ps();
+                    if (j < n) {
+                        const float *k = k_head + offsets[t0 + j];
+                        for (int c = 0; c < DV; c++)
+                            acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+                    }
                 }
+                _mm512_mask_storeu_ps(scores + (h * group + g) * len + t0, (__mmask16)((1u << n) - 1),
+                                      _mm512_mul_ps(sum16(acc), scale_v));
             }
-            _mm512_mask_storeu_ps(scores + g * len + t0, (__mmask16)((1u << n) - 1),
-                                  _mm512_mul_ps(sum16(acc), scale_v));
-        }
     }
 }
 
@@ -190,48 +196,76 @@ static inline __attribute__((always_inline)) void weighted_sum_avx512(const floa
     }
 }
 
-/* One group with a head dim of 16 * DV, DV a constant after inlining. */
+/* A task's heads with a head dim of 16 * DV, DV a constant after inlining. */
 static inline __attribute__((always_inline)) void attend_avx512(const float *q, const float *k_cache,
                                                                const float *v_cache, const int64_t *offsets,
-                                                               int64_t len, const int DV, int64_t group,
-                                                               float scale, float *scores, float *out)
+                                                               int64_t len, const int DV, int64_t heads,
+                                                               int64_t group, float scale, float *scores,
+                                                               float *out)
 {
-    scores_avx512(q, k_cache, offsets, len, DV, group, scale, scores);
-    softmax_rows(scores, group, len);
-    weighted_sum_avx512(v_cache, offsets, len, DV, group, scores, out);
+    scores_avx512(q, k_cache, offsets, len, DV, heads, group, scale, scores);
+    softmax_rows(scores, heads * group, len);
+    /* V head by head: reading a slot's heads together here measured slower (7.3 ms at 16
+     * x 192 against 6.9), and cost prefill chunks 5 % (their outputs left the registers
+     * at every block). */
+    for (int64_t h = 0; h < heads; h++)
+        weighted_sum_avx512(v_cache + h * 16 * DV, offsets, len, DV, group, scores + h * group * len,
+                            out + h * group * 16 * DV);
 }
 #endif
 
-/* One (row, KV head) group: its `group` query heads q [group, dim] -> out [group, dim]. */
+/* One task: `heads` KV heads of one row, each with its `group` query heads; q and out
+ * [heads * group, dim], offsets pointing at the first head's row of each slot. */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
-                   int64_t dim, int64_t group, float scale, float *scores, float *out)
+                   int64_t dim, int64_t heads, int64_t group, float scale, float *scores, float *out)
 {
 #ifdef __AVX512F__
     switch (dim) {
-    case 32: attend_avx512(q, k_cache, v_cache, offsets, len, 2, group, scale, scores, out); return;
-    case 64: attend_avx512(q, k_cache, v_cache, offsets, len, 4, group, scale, scores, out); return;
-    case 128: attend_avx512(q, k_cache, v_cache, offsets, len, 8, group, scale, scores, out); return;
+    case 32: attend_avx512(q, k_cache, v_cache, offsets, len, 2, heads, group, scale, scores, out); return;
+    case 64: attend_avx512(q, k_cache, v_cache, offsets, len, 4, heads, group, scale, scores, out); return;
+    case 128: attend_avx512(q, k_cache, v_cache, offsets, len, 8, heads, group, scale, scores, out); return;
     }
 #endif
-    scores_scalar(q, k_cache, offsets, len, dim, group, scale, scores);
-    softmax_rows(scores, group, len);
-    weighted_sum_scalar(v_cache, offsets, len, dim, group, scores, out);
+    for (int64_t h = 0; h < heads; h++) {
+        const float *qh = q + h * group * dim;
+        float *oh = out + h * group * dim;
+        scores_scalar(qh, k_cache + h * dim, offsets, len, dim, group, scale, scores);
+        softmax_rows(scores, group, len);
+        weighted_sum_scalar(v_cache + h * dim, offsets, len, dim, group, scores, oh);
+    }
 }
 
-/* Returns 0, or -1 when a scores buffer could not be allocated. */
+/* Returns 0, or -1 when a task list or scores buffer could not be allocated. */
 int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                         const int64_t *pages, int64_t max_pages, const int64_t *seqs, const int64_t *lens,
                         int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size,
                         float scale, float *out)
 {
-    const int64_t group = num_heads / num_kv_heads, tasks = rows * num_kv_heads;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < rows; b++)
+    /* A task is one KV head of a row, or all of them for a decode row (the only row of
+     * its sequence) when there are rows enough to keep every thread busy: a slot's heads
+     * are contiguous, so its pass over K streams whole pages in order (30 layers of 192
+     * tokens: 16 decodes 8.1 -> 6.9 ms, 8 decodes 2.7 -> 2.2 ms). Rows of a prefill chunk
+     * read their context from cache, where one head a task is faster (128 rows over 512
+     * tokens: 45 -> 51 ms when each took every head). The output is the same either way. */
+    const int64_t group = num_heads / num_kv_heads;
+    const int whole = rows >= 2 * omp_get_max_threads();
+    int64_t *task_row = malloc(2 * rows * num_kv_heads * sizeof(int64_t)), *task_head = task_row + rows * num_kv_heads;
+    if (!task_row)
+        return -1;
+    int64_t tasks = 0, longest = 1;
+    for (int64_t b = 0; b < rows; b++) {
         longest = lens[b] > longest ? lens[b] : longest;
+        const int alone = (b == 0 || seqs[b - 1] != seqs[b]) && (b == rows - 1 || seqs[b + 1] != seqs[b]);
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            if (h == 0 || !(whole && alone)) {
+                task_row[tasks] = b;
+                task_head[tasks++] = whole && alone ? -1 : h; /* -1: every head */
+            }
+    }
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(group * longest * sizeof(float));
+        float *scores = malloc(num_heads * longest * sizeof(float));
         int64_t *offsets = malloc(longest * sizeof(int64_t));
         if (!scores || !offsets) {
 #pragma omp atomic write
@@ -243,14 +277,16 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, 
         for (int64_t i = 0; i < tasks; i++) {
             if (!scores || !offsets)
                 continue;
-            const int64_t b = i / num_kv_heads, h = i % num_kv_heads;
+            const int64_t b = task_row[i], h = task_head[i] < 0 ? 0 : task_head[i];
+            const int64_t heads = task_head[i] < 0 ? num_kv_heads : 1;
             slot_offsets(pages + seqs[b] * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
             const float *qh = q + b * q_stride + h * group * dim;
             float *oh = out + (b * num_heads + h * group) * dim;
-            attend(qh, k_cache, v_cache, offsets, lens[b], dim, group, scale, scores, oh);
+            attend(qh, k_cache, v_cache, offsets, lens[b], dim, heads, group, scale, scores, oh);
         }
         free(scores);
         free(offsets);
     }
+    free(task_row);
     return failed ? -1 : 0;
 }
