@@ -81,5 +81,5 @@ class CpuAttention(TorchAttention):
                           plan.pages.shape[1], plan.seqs.data_ptr(), plan.lens.data_ptr(), rows, hq,
                           k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr())
         if rc != 0:
-            raise MemoryError("paged attention: no memory for the scores buffer")
+            raise MemoryError("paged attention: no memory for its task list or scores buffer")
         return out

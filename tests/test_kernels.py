@@ -429,6 +429,15 @@ def test_cpu_task_shapes_agree(dim, hkv):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_cpu_empty_batch():
+    """No rows: no task list to allocate, nothing written, no error."""
+    meta = AttentionMetadata.build([], [], [], 16)
+    kv = torch.randn(2, 2, 4, 16, 2, 16)
+    empty = torch.zeros(0, 2, 16)
+    out, kv_out = run_backend(cpu_backend(), meta, torch.zeros(0, 4, 16), empty, empty, kv)
+    assert out.shape == (0, 4, 16) and torch.equal(kv_out, kv)
+
+
 def test_cpu_strided_q_and_other_dtypes():
     """q as a view of a fused projection goes to the kernel; bf16 takes the torch path."""
     meta = make_meta([1, 1], [20, 3], 4, num_pages=8)

@@ -19,7 +19,8 @@
  *
  * bf16 weight layout: panels of 16 outputs, [N16 / 16][K2][16][2] (K2 = ceil(K / 2), zero
  * padded), so one 64-byte load is 16 outputs x 2 k, vdpbf16ps's operand.
- * Returns 0, or -1 without AVX-512 BF16, or -2 when a row has no candidate (not finite).
+ * Returns 0, or -1 without AVX-512 BF16, -2 when a row has no candidate (not finite, or a
+ * screen buffer could not be allocated), or -3 when the bf16 rows could not be.
  */
 #include <math.h>
 #include <stdint.h>
@@ -146,7 +147,8 @@ static float bar(float *s, const float *wnorm, float coef, float lb, const int64
 int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *wnorm,
                 int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
                 float *s, int64_t *tokens, int64_t *candidates)
-{    const int64_t k2 = (k_dim + 1) / 2, n16 = (n_dim + LANES - 1) / LANES * LANES;
+{
+    const int64_t k2 = (k_dim + 1) / 2, n16 = (n_dim + LANES - 1) / LANES * LANES;
     const float g = (float)k_dim * 0x1p-24f, u = 0x1p-8f;
     uint32_t *xb = calloc(m_dim * k2, sizeof(uint32_t));
     float *coef = malloc(m_dim * sizeof(float)), *lb = malloc(m_dim * sizeof(float));

@@ -247,6 +247,8 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, 
      * tokens: 16 decodes 8.1 -> 6.9 ms, 8 decodes 2.7 -> 2.2 ms). Rows of a prefill chunk
      * read their context from cache, where one head a task is faster (128 rows over 512
      * tokens: 45 -> 51 ms when each took every head). The output is the same either way. */
+    if (rows == 0) /* nothing to do, and malloc(0) may return NULL */
+        return 0;
     const int64_t group = num_heads / num_kv_heads;
     const int whole = rows >= 2 * omp_get_max_threads();
     int64_t *task_row = malloc(2 * rows * num_kv_heads * sizeof(int64_t)), *task_head = task_row + rows * num_kv_heads;
