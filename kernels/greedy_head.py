@@ -4,7 +4,8 @@ A bf16 copy of the head screens every logit to within a proven bound and only th
 tokens that can still win are computed again in fp32, the way the panel GEMM computes
 them: the token is exactly argmax of the fp32 logits (first index on ties), for about
 half of the head's weight stream. Only for the panel GEMM's packing (fp32, AVX-512) on a
-CPU with AVX-512 BF16; `pick_greedy_head` returns None elsewhere.
+CPU with AVX-512 BF16; `pick_greedy_head` returns None elsewhere. The screen runs on the AMX
+tiles where the CPU has them, else on vdpbf16ps.
 """
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from kernels.linear import PackedWeight, PanelLinear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 LANES = 16  # outputs per bf16 panel; csrc/greedy_head.c's LANES
-# x, ldx, bf16 panels, fp32 panels, norms, M, N, K, banned, offsets, scratch, tokens, candidates
-SIGNATURES = {"greedy_head": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr)}
+KBLOCK = 32  # k per AMX tile: the packed k is padded to a multiple (csrc/greedy_head.c's KBLOCK2 pairs)
+# x, ldx, bf16 panels, fp32 panels, norms, M, N, K, banned, offsets, scratch, tokens, candidates, amx
+SIGNATURES = {"greedy_head": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64),
+              "greedy_head_amx_ready": ()}
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 -> bf16 panels [ceil(N / 16), ceil(K / 2), 16, 2], zero-padded, round to nearest."""
+    """[N, K] fp32 -> bf16 panels [ceil(N / 16), K32 / 2, 16, 2] with K32 = K rounded up to 32,
+    zero-padded, round to nearest."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // LANES) * LANES, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded = torch.zeros(-(-n // LANES) * LANES, -(-k // KBLOCK) * KBLOCK, dtype=torch.bfloat16)
     padded[:n, :k] = weight
     return padded.view(-1, LANES, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
@@ -38,10 +42,17 @@ def row_norms(weight: torch.Tensor) -> torch.Tensor:
 
 
 class GreedyHead:
-    def __init__(self, weight: torch.Tensor, packed: PackedWeight):
+    def __init__(self, weight: torch.Tensor, packed: PackedWeight, amx: bool | None = None):
+        """amx: screen on the AMX tiles (None: where the CPU and the OS allow it; True where they
+        do not is an error)."""
         from kernels import cbuild
 
-        self._kernel = cbuild.load("greedy_head", SIGNATURES).greedy_head
+        lib = cbuild.load("greedy_head", SIGNATURES)
+        self._kernel = lib.greedy_head
+        ready = bool(lib.greedy_head_amx_ready())
+        if amx and not ready:
+            raise RuntimeError("the greedy head cannot use AMX here (CPU, compiler or OS)")
+        self.amx = ready if amx is None else amx
         self.packed, self.bf16, self.norms = packed, pack_bf16(weight.float()), row_norms(weight.float())
         self.n, self.k = weight.shape
         self.candidates = 0  # exact logits computed so far (over all rows): the screen's hit count
@@ -61,7 +72,7 @@ class GreedyHead:
         count = ctypes.c_int64(0)
         rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.bf16.data_ptr(), self.packed.panels.data_ptr(),
                           self.norms.data_ptr(), m, self.n, self.k, flat.data_ptr(), offsets.data_ptr(),
-                          scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(count))
+                          scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(count), int(self.amx))
         if rc != 0:
             return None
         self.candidates += count.value
@@ -82,8 +93,10 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed) -> GreedyHead | None:
 
 
 def main() -> None:
-    """`python -m kernels.greedy_head [model_dir]`: the default model's head, full fp32 logits +
-    argmax against the screened head, at 1 / 8 / 16 rows of random hidden states (medians)."""
+    """`python -m kernels.greedy_head [model_dir]`: the default model's head at 1 / 8 / 16 / 32 rows
+    of random hidden states, full fp32 logits + argmax against the screened head on vdpbf16ps
+    and on the AMX tiles (where it has them); medians of 30, each call after 512 MB of other
+    reads, as a decode step's layers leave the caches."""
     import statistics
     import sys
     import time
@@ -98,20 +111,24 @@ def main() -> None:
     head = pick_greedy_head(linear, weight, linear.prepare(weight))
     if head is None:
         sys.exit("no greedy head on this CPU (needs AVX-512 BF16)")
+    heads = {"vdpbf16ps": GreedyHead(weight, head.packed, amx=False)}
+    if head.amx:
+        heads["amx"] = head
+    other = torch.ones(128 << 20)  # 512 MB
     g = torch.Generator().manual_seed(0)
-    for rows in (1, 8, 16):
+    for rows in (1, 8, 16, 32):
         x = torch.randn(rows, weight.shape[1], generator=g)
-        times = {}
-        for name, fn in (("full", lambda: linear(x, head.packed).argmax(-1).tolist()), ("screened", lambda: head(x))):
-            fn()
-            samples = []
-            for _ in range(50):
+        fns = {"full": lambda: linear(x, head.packed).argmax(-1).tolist()}
+        fns |= {name: (lambda h=h: h(x)) for name, h in heads.items()}
+        samples = {name: [] for name in fns}
+        for _ in range(30):
+            for name, fn in fns.items():
+                other.sum()
                 t0 = time.perf_counter()
                 fn()
-                samples.append(time.perf_counter() - t0)
-            times[name] = statistics.median(samples) * 1e3
-        print(f"{rows:2d} rows: full {times['full']:.2f} ms, screened {times['screened']:.2f} ms, "
-              f"{times['full'] / times['screened']:.2f}x")
+                samples[name].append(time.perf_counter() - t0)
+        ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        print(f"{rows:2d} rows: " + ", ".join(f"{name} {t:.2f} ms ({ms['full'] / t:.2f}x)" for name, t in ms.items()))
 
 
 if __name__ == "__main__":

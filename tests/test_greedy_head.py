@@ -1,6 +1,7 @@
 """kernels.greedy_head: the screened greedy head gives exactly argmax of the panel GEMM's fp32
 logits (first index on ties), barred tokens excluded, on shapes that exercise the padding
-(N not a multiple of 16 or 48, odd K) and the row tiles (1..17 rows)."""
+(N not a multiple of 16 or 48, odd K) and the row tiles (1..33 rows), with the screen on
+vdpbf16ps and on the AMX tiles (where the CPU has them)."""
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 from kernels.greedy_head import GreedyHead, pick_greedy_head
 from kernels.linear import PanelLinear, pick_linear
 
-HAS_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+CPU_FLAGS = Path("/proc/cpuinfo").read_text()
+HAS_BF16 = "avx512_bf16" in CPU_FLAGS
+HAS_AMX = "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with AVX-512 BF16")
 
 
@@ -20,10 +23,21 @@ def linear():
     return lin
 
 
-def make_head(linear, weight):
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX"))],
+                ids=["vdpbf16ps", "amx"])
+def amx(request):
+    return request.param
+
+
+def make_head(linear, weight, amx=None):
     head = pick_greedy_head(linear, weight, linear.prepare(weight))
     assert isinstance(head, GreedyHead)  # this CPU can run it: the tests must not pass by skipping it
-    return head
+    return head if amx is None else GreedyHead(weight, head.packed, amx=amx)
+
+
+def test_amx_is_the_default_where_the_cpu_has_it(linear):
+    """The engine's head (pick_greedy_head) screens on the tiles on an AMX CPU: the path tested."""
+    assert make_head(linear, torch.randn(64, 32)).amx == HAS_AMX
 
 
 def reference(linear, head, x, banned=None):
@@ -33,16 +47,20 @@ def reference(linear, head, x, banned=None):
     return logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("n,k", [(1000, 150), (4099, 64), (48, 7)])
-def test_matches_fp32_argmax(linear, n, k):
+@pytest.mark.parametrize("n,k", [(1000, 150), (4099, 64), (48, 7), (1024, 40)])
+def test_matches_fp32_argmax(linear, amx, n, k):
     g = torch.Generator().manual_seed(n + k)
-    head = make_head(linear, torch.randn(n, k, generator=g))
-    for m in [1, 2, 7, 8, 9, 16, 17]:
+    head = make_head(linear, torch.randn(n, k, generator=g), amx)
+    rows = [1, 2, 7, 8, 9, 16, 17, 33]
+    for m in rows:
         x = torch.randn(m, k, generator=g) * 2
         assert head(x) == reference(linear, head, x), m
+    # Every row was screened: a row the screen missed would still get its token right, from
+    # all n logits recomputed (1.2-2 candidates a row is typical here).
+    assert head.candidates <= 4 * sum(rows)
 
 
-def test_ties_and_near_ties_are_decided_in_fp32(linear):
+def test_ties_and_near_ties_are_decided_in_fp32(linear, amx):
     """Rows equal to or within bf16's resolution of the winner: the screen cannot tell them
     apart, the fp32 recompute must, and an exact tie goes to the first index."""
     g = torch.Generator().manual_seed(1)
@@ -52,7 +70,7 @@ def test_ties_and_near_ties_are_decided_in_fp32(linear):
     best = linear(x[:1], linear.prepare(w)).argmax().item()
     w[3] = w[best]                                                  # an exact tie, earlier index
     w[500:540] = w[best] + 1e-4 * torch.randn(40, k, generator=g)   # 40 near ties
-    head = make_head(linear, w)
+    head = make_head(linear, w, amx)
     before = head.candidates
     got = head(x)
     assert got == reference(linear, head, x)
@@ -60,20 +78,20 @@ def test_ties_and_near_ties_are_decided_in_fp32(linear):
     assert head.candidates - before > 40  # the near ties went through the fp32 recompute
 
 
-def test_all_negative_logits_and_padding(linear):
+def test_all_negative_logits_and_padding(linear, amx):
     """Padding outputs screen to 0: they must not set the bar when every real logit is < 0."""
     g = torch.Generator().manual_seed(2)
     w = -torch.rand(1001, 33, generator=g) - 0.1
-    head = make_head(linear, w)
+    head = make_head(linear, w, amx)
     x = torch.rand(5, 33, generator=g) + 0.1
     assert max(linear(x, head.packed).max(-1).values.tolist()) < 0
     assert head(x) == reference(linear, head, x)
 
 
-def test_barred_tokens_are_never_chosen(linear):
+def test_barred_tokens_are_never_chosen(linear, amx):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(500, 40, generator=g)
-    head = make_head(linear, w)
+    head = make_head(linear, w, amx)
     x = torch.randn(3, 40, generator=g)
     top = linear(x, head.packed).topk(3, dim=-1).indices.tolist()
     banned = [top[0][:1], top[1][:2], []]  # each barred row loses its best (and second) token
@@ -82,8 +100,8 @@ def test_barred_tokens_are_never_chosen(linear):
     assert got[0] == top[0][1] and got[1] == top[1][2] and got[2] == top[2][0]
 
 
-def test_rows_it_cannot_answer_return_none(linear):
-    head = make_head(linear, torch.randn(100, 16))
+def test_rows_it_cannot_answer_return_none(linear, amx):
+    head = make_head(linear, torch.randn(100, 16), amx)
     assert head(torch.full((1, 16), float("nan"))) is None
     assert head(torch.randn(1, 16), [list(range(100))]) is None  # everything barred
 

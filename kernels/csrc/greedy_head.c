@@ -17,8 +17,16 @@
  * LB = max_j lo_j, the true argmax j* has hi_j* >= fp32_j* >= LB, and every j with hi_j < LB
  * is below it: the candidates {j : hi_j >= LB} hold j* and all its ties.
  *
- * bf16 weight layout: panels of 16 outputs, [N16 / 16][K2][16][2] (K2 = ceil(K / 2), zero
- * padded), so one 64-byte load is 16 outputs x 2 k, vdpbf16ps's operand.
+ * bf16 weight layout: panels of 16 outputs, [N16 / 16][K2][16][2] (K2 = ceil(K / 2) rounded up
+ * to a multiple of 16, zero padded), so one 64-byte load is 16 outputs x 2 k, vdpbf16ps's
+ * operand, and 16 of them in a row are an AMX tile of the panel.
+ *
+ * Where the CPU has AMX (and Linux grants this process its tile state) the screen runs on the
+ * tiles: 16 rows x 32 outputs per k block of 32, where vdpbf16ps does 16 outputs of one row.
+ * At 16 rows vdpbf16ps made the screen compute-bound, slower than the whole fp32 head; on the
+ * tiles it is the bf16 stream again (default model, see kernels/greedy_head.py's main).
+ * Each tile product adds exact bf16 products into fp32, as vdpbf16ps does: the same bound.
+ *
  * Returns 0, or -1 without AVX-512 BF16, -2 when a row has no candidate (not finite, or a
  * screen buffer could not be allocated), or -3 when the bf16 rows could not be.
  */
@@ -30,7 +38,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-enum { LANES = 16, ROWS = 8, F32_PANEL = 48 /* panel_gemm.c's PANEL */ };
+enum { LANES = 16, ROWS = 8, F32_PANEL = 48 /* panel_gemm.c's PANEL */, KBLOCK2 = 16 /* k pairs a tile */ };
 
 /* A logit's bound (see the top of this file), 16 at a time. */
 static inline __m512 bound16(__m512 sv, __m512 coef, const float *wnorm)
@@ -140,17 +148,100 @@ static float bar(float *s, const float *wnorm, float coef, float lb, const int64
     return rescan ? lower_max(s, wnorm, coef, n_dim) : lb;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, TILE_ROWS = 16 };
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Linux gives a process AMX's tile state only when asked, once (for all its threads). */
+static int amx_permitted(void)
+{
+    static int state;  /* 0: not asked yet, 1: granted, -1: refused */
+    if (!state)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+/* This thread's share of the screen on AMX tiles (called by every thread of the team): pairs of
+ * panels, and within a pair every group of 16 rows (xb has m_dim rounded up to 16, zero rows),
+ * so a pair's bf16 slice comes from memory once. Tiles: 0, 1 the two panels' 16 x 16 fp32
+ * logits, 2 the rows' k block, 3, 4 the panels' k block. The logits go through c to s, with
+ * each row's running max of the lower bounds. */
+static void screen_amx(const uint32_t *xb, int64_t k2, const uint16_t *wb, const float *coef, const float *wnorm,
+                       int64_t m_dim, int64_t n_dim, int64_t n16, float *s, __m512 *lbmax)
+{
+    struct tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 5; t++)
+        cfg.rows[t] = TILE_ROWS, cfg.colsb[t] = 4 * LANES;
+    _tile_loadconfig(&cfg);
+    float c[TILE_ROWS][2 * LANES] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t n0 = 0; n0 < n16; n0 += 2 * LANES) {
+        const int panels = n16 - n0 > LANES ? 2 : 1;
+        const uint16_t *w0 = wb + n0 * 2 * k2, *w1 = w0 + LANES * 2 * k2;
+        for (int64_t row = 0; lbmax && row < m_dim; row += TILE_ROWS) {  /* no lbmax, no memory: -2 */
+            const uint32_t *xr = xb + row * k2;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kb = 0; kb < k2; kb += KBLOCK2) {
+                _tile_loadd(2, xr + kb, k2 * 4);
+                _tile_loadd(3, w0 + kb * 2 * LANES, 4 * LANES);
+                _tile_dpbf16ps(0, 2, 3);
+                if (panels == 2) {
+                    _tile_loadd(4, w1 + kb * 2 * LANES, 4 * LANES);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+            }
+            _tile_stored(0, &c[0][0], sizeof c[0]);
+            _tile_stored(1, &c[0][LANES], sizeof c[0]);
+            for (int64_t m = row; m < m_dim && m < row + TILE_ROWS; m++)
+                for (int p = 0; p < panels; p++) {
+                    const int64_t n = n0 + p * LANES;
+                    const __mmask16 valid = n_dim - n >= LANES ? 0xFFFF
+                                            : n_dim <= n ? 0 : (__mmask16)((1u << (n_dim - n)) - 1);
+                    const __m512 sv = _mm512_load_ps(&c[m - row][p * LANES]);
+                    _mm512_storeu_ps(s + m * n16 + n, sv);
+                    const __m512 bound = bound16(sv, _mm512_set1_ps(coef[m]), wnorm + n);
+                    lbmax[m] = _mm512_mask_max_ps(lbmax[m], valid, lbmax[m], _mm512_sub_ps(sv, bound));
+                }
+        }
+    }
+    _tile_release();
+}
+
+int greedy_head_amx_ready(void) { return amx_permitted(); }
+#else
+enum { TILE_ROWS = 1 };
+static void screen_amx(const uint32_t *xb, int64_t k2, const uint16_t *wb, const float *coef, const float *wnorm,
+                       int64_t m_dim, int64_t n_dim, int64_t n16, float *s, __m512 *lbmax)
+{
+    (void)xb, (void)k2, (void)wb, (void)coef, (void)wnorm, (void)m_dim, (void)n_dim, (void)n16, (void)s, (void)lbmax;
+}
+
+int greedy_head_amx_ready(void) { return 0; }
+#endif
+
 /* x [M, K] (row stride ldx); wb: the bf16 panels; panels: panel_gemm.c's fp32 packing of the
  * same W; wnorm [N16]: ||W_j|| (0 past N); s: scratch [M, N16]; banned: the barred token ids of
  * row m at banned[offsets[m] .. offsets[m + 1]); tokens [M]; candidates: the number of exact
- * logits computed, over all rows. */
+ * logits computed, over all rows; amx: screen on the AMX tiles where greedy_head_amx_ready(). */
 int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *wnorm,
                 int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
-                float *s, int64_t *tokens, int64_t *candidates)
+                float *s, int64_t *tokens, int64_t *candidates, int64_t amx)
 {
-    const int64_t k2 = (k_dim + 1) / 2, n16 = (n_dim + LANES - 1) / LANES * LANES;
+    const int64_t k2 = ((k_dim + 1) / 2 + KBLOCK2 - 1) / KBLOCK2 * KBLOCK2;
+    const int64_t n16 = (n_dim + LANES - 1) / LANES * LANES;
     const float g = (float)k_dim * 0x1p-24f, u = 0x1p-8f;
-    uint32_t *xb = calloc(m_dim * k2, sizeof(uint32_t));
+    const int tiles = amx && greedy_head_amx_ready();
+    /* The rows in bf16 pairs, zero past k_dim, and zero rows up to a whole tile. */
+    uint32_t *xb = calloc((m_dim + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k2, sizeof(uint32_t));
     float *coef = malloc(m_dim * sizeof(float)), *lb = malloc(m_dim * sizeof(float));
     if (!xb || !coef || !lb) {
         free(xb), free(coef), free(lb);
@@ -174,12 +265,16 @@ int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *pa
         __m512 *lbmax = aligned_alloc(64, (size_t)(m_dim + ROWS) * sizeof(__m512));
         for (int64_t m = 0; lbmax && m < m_dim + ROWS; m++)
             lbmax[m] = _mm512_set1_ps(-INFINITY);
+        if (tiles) {
+            screen_amx(xb, k2, wb, coef, wnorm, m_dim, n_dim, n16, s, lbmax);
+        } else {
 #pragma omp for schedule(dynamic, 8)
-        for (int64_t n0 = 0; n0 < n16; n0 += LANES) {
-            const __mmask16 valid = n_dim - n0 >= LANES ? 0xFFFF : (__mmask16)((1u << (n_dim - n0)) - 1);
-            for (int64_t row = 0; lbmax && row < m_dim; row += ROWS)
-                screen(xb + row * k2, k2, wb + n0 * 2 * k2, coef + row, wnorm + n0,
-                       m_dim - row < ROWS ? (int)(m_dim - row) : ROWS, valid, s + row * n16 + n0, n16, lbmax + row);
+            for (int64_t n0 = 0; n0 < n16; n0 += LANES) {
+                const __mmask16 valid = n_dim - n0 >= LANES ? 0xFFFF : (__mmask16)((1u << (n_dim - n0)) - 1);
+                for (int64_t row = 0; lbmax && row < m_dim; row += ROWS)
+                    screen(xb + row * k2, k2, wb + n0 * 2 * k2, coef + row, wnorm + n0, m_dim - row < ROWS ? (int)(m_dim - row)
+                           : ROWS, valid, s + row * n16 + n0, n16, lbmax + row);
+            }
         }
 #pragma omp critical
         for (int64_t m = 0; m < m_dim; m++) {
@@ -205,10 +300,10 @@ int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *pa
 #else
 int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *wnorm,
                 int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
-                float *s, int64_t *tokens, int64_t *candidates)
+                float *s, int64_t *tokens, int64_t *candidates, int64_t amx)
 {
     (void)x, (void)ldx, (void)wb, (void)panels, (void)wnorm, (void)m_dim, (void)n_dim, (void)k_dim;
-    (void)banned, (void)offsets, (void)s, (void)tokens, (void)candidates;
+    (void)banned, (void)offsets, (void)s, (void)tokens, (void)candidates, (void)amx;
     return -1;
 }
 #endif
