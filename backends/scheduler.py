@@ -125,7 +125,8 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        budget, items = self.cfg.batch_tokens, []
+        budget = self.cfg.step_budget(sum(1 for req in self.running if req.num_pending == 1))
+        items = []
         for req in list(self.running):
             if budget == 0:
                 break

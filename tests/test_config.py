@@ -23,10 +23,11 @@ def test_environment_overrides_model_path(monkeypatch):
 
 
 def test_step_budget_is_per_device_unless_set():
-    assert EngineConfig(device="cpu").batch_tokens == 128
-    assert EngineConfig(device="cuda").batch_tokens == 2048
-    assert EngineConfig(device="cpu", max_batch_tokens=300).batch_tokens == 300
-    assert EngineConfig(device="cpu", max_running_requests=200).batch_tokens == 200  # every decode fits
+    assert EngineConfig(device="cpu").step_budget(decodes=0) == 128
+    assert EngineConfig(device="cpu").step_budget(decodes=8) == 136  # 128 prompt tokens beside the decodes
+    assert EngineConfig(device="cuda").step_budget(decodes=8) == 2048
+    assert EngineConfig(device="cuda", max_running_requests=4096).step_budget(decodes=0) == 4096  # every decode fits
+    assert EngineConfig(device="cpu", max_batch_tokens=300).step_budget(decodes=8) == 300
 
 
 @pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}, {"max_batch_tokens": -1}])

@@ -5,7 +5,8 @@ import threading
 import pytest
 import torch
 
-from backends.engine import InvalidRequest
+from backends.config import EngineConfig
+from backends.engine import Engine, InvalidRequest
 from backends.request import SamplingParams
 from tests.engine_utils import collect, small_engine, token_ids
 from tests.test_model_parity import prompts
@@ -36,6 +37,21 @@ def test_preemption_keeps_outputs_exact(checkpoint, engine):
     finally:
         tight.stop()
     assert got == expected
+
+
+def test_auto_cpu_budget_puts_128_prompt_tokens_beside_the_decodes(checkpoint):
+    """A prompt of 128 tokens or fewer is one step whatever the number of decodes."""
+    eng = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=256, threads=2))
+    try:  # not started: the test turns the loop itself
+        for ids in prompts(3):
+            eng.generate(ids, GREEDY, lambda out: None)
+        assert eng.scheduler.step()  # their prefills (65 tokens)
+        assert [r.num_pending for r in eng.scheduler.running] == [1, 1, 1]
+        eng.generate(list(range(3, 203)), GREEDY, lambda out: None)
+        eng.scheduler._take_inbox()
+        assert sorted(n for _, n in eng.scheduler.schedule().items) == [1, 1, 1, 128]
+    finally:
+        eng.stop()
 
 
 def test_abort_mid_decode_frees_kv(engine):
