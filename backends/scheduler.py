@@ -50,6 +50,10 @@ class ColocatedRole:
     def on_abort(self, req: Request) -> None:
         pass
 
+    def on_preempt(self, req: Request) -> None:
+        """Called before a preempted request's pages go back to the pool; a role whose
+        queued work still reads them takes them over (req.pages = [])."""
+
     def close(self) -> None:
         pass
 
@@ -167,6 +171,7 @@ class Scheduler:
         log.info("preempting %s (%d tokens) for lack of KV pages", req.id, req.num_tokens)
         self.num_preemptions += 1
         self.running.remove(req)
+        self.role.on_preempt(req)
         self.pool.free(req.pages)
         req.pages, req.num_computed, req.status = [], 0, Status.WAITING
         self.waiting.appendleft(req)

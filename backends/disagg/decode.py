@@ -70,6 +70,9 @@ class DecodeRole:
     def on_sampled(self, req: Request) -> bool:
         return False
 
+    def on_preempt(self, req: Request) -> None:
+        pass
+
     def on_abort(self, req: Request) -> None:
         if req in self.prealloc:
             self.prealloc.remove(req)

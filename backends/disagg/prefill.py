@@ -89,6 +89,9 @@ class PrefillRole:
         self.worker.finish(req.room, peer, slot, dest["slot"])
         return True
 
+    def on_preempt(self, req: Request) -> None:
+        pass
+
     def on_abort(self, req: Request) -> None:
         self.bootstrap.pop(req.room, None)
         dest = self.dests.pop(req.room, None)
