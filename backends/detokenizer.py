@@ -4,9 +4,11 @@ Each new token's text is the difference between decoding a short window that
 ends with it and the same window without it. The window starts in the prompt,
 so the leading space a SentencePiece tokenizer folds into the first new token
 is kept, and a token that ends inside a multi-byte character waits (its text
-would end in U+FFFD) until the character is complete. Stop strings are cut
-off, and text that could be the start of a stop string is held back until it
-cannot be.
+would end in U+FFFD) until the character is complete. The final piece flushes
+what is still waiting as the tokenizer decodes it (U+FFFD for a cut character,
+as `tokenizer.decode(ids)` shows it), so the pieces always add up to the full
+decode. Stop strings are cut off, and text that could be the start of a stop
+string is held back until it cannot be.
 """
 from __future__ import annotations
 
@@ -63,8 +65,23 @@ class IncrementalDetokenizer:
                 self.text = self.text[:idx]
                 self.stopped = True
 
-    def take(self, final: bool) -> str:
-        """New text that is safe to stream; everything left when `final`."""
+    def flush(self) -> None:
+        """The text of tokens still waiting for the rest of their character, as decode shows it."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) > len(before):
+            start = len(self.text)
+            self.text += after[len(before):]
+            self._find_stop(start)
+        self.prefix_offset = self.read_offset = len(self.ids)
+
+    def take(self, final: bool, flush: bool = True) -> str:
+        """New text that is safe to stream; everything left when `final` (flushed unless told not to:
+        the prefill half of a hand-off is not the end of the text)."""
+        if final and flush:
+            self.flush()
         end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
         piece, self.sent = self.text[self.sent:end], end
         return piece

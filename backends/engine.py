@@ -6,6 +6,7 @@ thread; the scheduler's loop runs in one background thread and delivers
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
@@ -56,6 +57,9 @@ class Engine:
                      room: int | None = None) -> Request:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
+        if params.end_id is not None and params.end_id >= self.runner.model.cfg.vocab_size:
+            raise InvalidRequest(f"end_id {params.end_id} is not a token id of this model "
+                                 f"(vocabulary of {self.runner.model.cfg.vocab_size})")
         if len(prompt_ids) >= self.max_context:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                  f"{self.max_context} tokens (prompt + output)")
@@ -81,6 +85,11 @@ class Engine:
         # Everything loaded so far (tokenizer, weights, torch and Triton modules) lives as long as
         # the engine: out of the collector's reach, a full collection no longer walks it.
         gc.freeze()
+        # Frozen objects are never collected, not even at exit, so nanobind (under triton, which
+        # torch imports) would report each of them as "leaked" - a thousand lines after the last
+        # output. Handing them back to the collector at exit lets the interpreter free them.
+        atexit.unregister(gc.unfreeze)
+        atexit.register(gc.unfreeze)
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
         return self

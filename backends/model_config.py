@@ -47,6 +47,9 @@ class ModelConfig:
     def load(path: str) -> "ModelConfig":
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
+        eos = generation_eos(path)
+        if eos is not None:  # transformers' generate stops on generation_config.json's ids
+            raw = {**raw, "eos_token_id": eos}
         return ModelConfig.from_dict(raw)
 
     @staticmethod
@@ -78,6 +81,18 @@ class ModelConfig:
             rope=rope_parameters(raw),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )
+
+
+def generation_eos(path: str) -> int | list[int] | None:
+    """`eos_token_id` of the checkpoint's generation_config.json, where it has one.
+
+    Hugging Face `generate` takes its stop ids from there, and the file often lists more
+    than config.json does (Llama-3-Instruct's <|eot_id|>, Qwen2.5-Instruct's <|endoftext|>)."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            return json.load(f).get("eos_token_id")
+    except FileNotFoundError:
+        return None
 
 
 def rope_parameters(raw: dict) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +31,13 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.end_id is not None and self.end_id < 0:
+            raise ValueError(f"end_id must be >= 0, got {self.end_id}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:

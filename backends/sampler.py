@@ -1,12 +1,21 @@
 """Token choice for a batch of rows of the lm_head's input: greedy rows that need no logits
 through the model's exact greedy head where it has one (kernels.greedy_head), the rest from
 full logits: greedy rows in one argmax, sampled rows (temperature, top-k, top-p,
-per-request seed) one by one."""
+per-request seed) one by one. A sampled row that fails (its probabilities are not a
+distribution) costs only that row: `RowsFailed` carries every other row's token."""
 from __future__ import annotations
 
 import torch
 
 from backends.request import Request
+
+
+class RowsFailed(RuntimeError):
+    """Some rows could not be sampled; `tokens` holds the others' (each generator advanced once)."""
+
+    def __init__(self, tokens: list[int], logprobs: list[float] | None, errors: dict[int, str]):
+        super().__init__(f"{len(errors)} row(s) could not be sampled")
+        self.tokens, self.logprobs, self.errors = tokens, logprobs, errors
 
 
 def sample(model, hidden: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
@@ -22,10 +31,17 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], stop_ids: list[
     if len(fast) == len(requests):
         return fast_tokens, None
     rest = sorted(set(range(len(requests))) - set(fast))
-    rest_tokens, _ = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
-                                   [stop_ids[r] for r in rest], with_logprobs=False)
+    errors = {}
+    try:
+        rest_tokens, _ = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
+                                       [stop_ids[r] for r in rest], with_logprobs=False)
+    except RowsFailed as exc:
+        rest_tokens, errors = exc.tokens, {rest[row]: message for row, message in exc.errors.items()}
     by_row = dict(zip(fast, fast_tokens)) | dict(zip(rest, rest_tokens))
-    return [by_row[row] for row in range(len(requests))], None
+    tokens = [by_row[row] for row in range(len(requests))]
+    if errors:
+        raise RowsFailed(tokens, None, errors)
+    return tokens, None
 
 
 def _masked(req: Request, stop_ids: list[int]) -> bool:
@@ -41,13 +57,19 @@ def sample_logits(logits: torch.Tensor, requests: list[Request], stop_ids: list[
         if _masked(req, ids):
             logits[row, ids] = float("-inf")  # no end before min_tokens
     tokens = logits.argmax(dim=-1)
+    errors = {}
     for row, req in enumerate(requests):
         if not req.params.greedy:
-            tokens[row] = _sample_row(logits[row], req)
-    if not with_logprobs:
-        return tokens.tolist(), None
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    return tokens.tolist(), logprobs.tolist()
+            try:
+                tokens[row] = _sample_row(logits[row], req)
+            except RuntimeError as exc:
+                errors[row] = str(exc)
+    logprobs = None
+    if with_logprobs:
+        logprobs = (logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
+    if errors:
+        raise RowsFailed(tokens.tolist(), logprobs, errors)
+    return tokens.tolist(), logprobs
 
 
 def _sample_row(row: torch.Tensor, req: Request) -> int:

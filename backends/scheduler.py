@@ -23,7 +23,7 @@ import torch
 from backends.config import EngineConfig
 from backends.request import Request, RequestOutput, Status
 from backends.runner import Batch, ModelRunner
-from backends.sampler import sample
+from backends.sampler import RowsFailed, sample
 
 log = logging.getLogger("tandem.scheduler")
 
@@ -32,6 +32,7 @@ class ColocatedRole:
     """Requests come from the adapter and decode here after their prefill."""
 
     carries_logprobs = False   # whether sampled tokens need their logprob (a hand-off carries it)
+    ends_text = True           # whether a request's last output here is the end of its text
 
     def attach(self, scheduler: "Scheduler") -> None:
         pass
@@ -184,9 +185,26 @@ class Scheduler:
         if not samples:
             return
         stop_ids = [self.stop_ids(r) for r in samples]
-        tokens, logprobs = sample(self.runner.model, hidden, samples, stop_ids, self.role.carries_logprobs)
-        for req, token, logprob, ids in zip(samples, tokens, logprobs or [None] * len(tokens), stop_ids):
+        errors = {}
+        try:
+            tokens, logprobs = sample(self.runner.model, hidden, samples, stop_ids, self.role.carries_logprobs)
+        except RowsFailed as exc:  # one row's failure must not cost its neighbours their token
+            tokens, logprobs, errors = exc.tokens, exc.logprobs, exc.errors
+        for row, (req, token, ids) in enumerate(zip(samples, tokens, stop_ids)):
+            if row in errors:
+                log.warning("request %s could not be sampled: %s", req.id, errors[row])
+                self.finish(req, "error", error=f"sampling this request failed: {errors[row]}")
+            else:
+                self._append_or_fail(req, token, logprobs[row] if logprobs else None, ids)
+
+    def _append_or_fail(self, req: Request, token: int, logprob: float | None, ids: list[int]) -> None:
+        """append_token, with a failure (detokenizing, a stop check, a role's hand-off) ending
+        only this request."""
+        try:
             self.append_token(req, token, logprob, ids)
+        except Exception as exc:
+            log.error("request %s failed after sampling: %s", req.id, traceback.format_exc())
+            self.finish(req, "error", error=f"internal error: {exc}")
 
     def stop_ids(self, req: Request) -> list[int]:
         if req.params.ignore_eos:
@@ -215,7 +233,7 @@ class Scheduler:
 
     def emit(self, req: Request, final: bool = False, reason: str | None = None,
              error: str | None = None) -> None:
-        text = req.detok.take(final)
+        text = req.detok.take(final, flush=self.role.ends_text)
         if not (text or final):
             return  # a token that ends inside a character waits for the next one
         ids = req.output_ids[req.emitted_ids:]

@@ -53,7 +53,10 @@ class ResponseStream:
         self.on_gone = on_gone
         self.latencies = latencies
         self.started, self.last_token_at = time.monotonic(), None
-        self.prefix = "" if req.exclude_input else req.prompt
+        # A stream carries new text only, as TensorRT-LLM's and vLLM's backends do (a client
+        # that joins the pieces must not get the prompt): exclude_input_in_output=false is
+        # honoured for one-response requests only.
+        self.prefix = "" if req.exclude_input or req.stream else req.prompt
         self.text, self.ids = [], []
         # Triton frees the response factory with the final response; asking it
         # is_cancelled() after that crashes the server, so both hold this lock.

@@ -49,8 +49,13 @@ def control_room(get: Callable[[str], np.ndarray | None]) -> int | None:
     return None if arr is None else int(_scalar(arr, "cancel_room"))
 
 
-def _text(value) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+def _text(value, name: str = "text_input") -> str:
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"{name} is not valid UTF-8") from None
 
 
 def _scalar(array: np.ndarray, name: str):
@@ -60,9 +65,16 @@ def _scalar(array: np.ndarray, name: str):
     return flat[0]
 
 
+def _number(value, kind, name: str):
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidRequest(f"input {name!r} must be a finite {kind.__name__}, got {value!r}") from None
+
+
 def _bool(value) -> bool:
     if isinstance(value, (bytes, str)):
-        return _text(value).strip().lower() in ("1", "true", "yes")
+        return _text(value, "a boolean input").strip().lower() in ("1", "true", "yes")
     return bool(value)
 
 
@@ -85,7 +97,7 @@ def _json_params(raw: str) -> dict:
                 out[key] = _bool(value)
             else:
                 out[key] = kind(float(value)) if kind is int else kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise InvalidRequest(f"sampling_parameters.{key} must be a {kind.__name__}, got {value!r}") from None
     return out
 
@@ -95,20 +107,20 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
     raw = get("text_input")
     if raw is None:
         raise InvalidRequest("missing input 'text_input'")
-    prompt = _text(_scalar(raw, "text_input"))
+    prompt = _text(_scalar(raw, "text_input"), "text_input")
     if not prompt.strip():
         raise InvalidRequest("the prompt ('text_input') is empty")
     fields: dict = {"max_tokens": default_max_tokens}
     sp = get("sampling_parameters")
     if sp is not None:
-        fields.update(_json_params(_text(_scalar(sp, "sampling_parameters"))))
+        fields.update(_json_params(_text(_scalar(sp, "sampling_parameters"), "sampling_parameters")))
     for name, (field, kind) in SCALAR_INPUTS.items():
         arr = get(name)
         if arr is not None:
-            fields[field] = kind(_scalar(arr, name).item())
+            fields[field] = _number(_scalar(arr, name).item(), kind, name)
     words = get("stop_words")
     if words is not None:
-        fields["stop"] = tuple(_text(w) for w in np.asarray(words).reshape(-1) if _text(w))
+        fields["stop"] = tuple(w for w in (_text(w, "stop_words") for w in np.asarray(words).reshape(-1)) if w)
     try:
         params = SamplingParams(**fields)
     except ValueError as exc:

@@ -25,14 +25,19 @@ def _hf_default():
     return tok, AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
 
 
-def greedy_reference(prompt: str, max_tokens: int = MAX_TOKENS, chat: bool = True) -> str:
-    """transformers' greedy text for the default model."""
+def greedy_ids(prompt: str, max_tokens: int = MAX_TOKENS, chat: bool = True) -> list[int]:
+    """transformers' greedy ids for the default model."""
     tok, model = _hf_default()
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
         if chat else tok(prompt).input_ids
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.eos_token_id)
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    return out[0, len(ids):].tolist()
+
+
+def greedy_reference(prompt: str, max_tokens: int = MAX_TOKENS, chat: bool = True) -> str:
+    """transformers' greedy text for the default model."""
+    return _hf_default()[0].decode(greedy_ids(prompt, max_tokens, chat), skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +57,10 @@ def test_concurrent_streams_equal_transformers(llm_server, hf):
     for prompt, result in zip(PROMPTS, results):
         assert result.error is None
         assert len(result.pieces) > 1, "streaming must send more than one response"
-        # An output cut by max_tokens inside a multi-byte character ends before it
-        # (the stream never carries U+FFFD); transformers' decode shows the fragment.
-        assert result.text == hf(prompt).rstrip("\ufffd"), prompt
+        # An output cut by max_tokens inside a multi-byte character ends as transformers'
+        # decode shows it (U+FFFD), in the last response only.
+        assert result.text == hf(prompt), prompt
+        assert all("\ufffd" not in piece for piece in result.pieces[:-1])
     assert llm_server.wait_kv_full("llm")
 
 
@@ -166,3 +172,92 @@ def test_metrics_scrape(llm_server):
     assert m['tandem_ttft_seconds_count{model="llm"}'] >= 1
     assert m['tandem_itl_seconds_count{model="llm"}'] >= 1
     assert 0 < m['tandem_ttft_seconds_sum{model="llm"}'] < 60
+
+
+# ---- conventions: what text_output holds, HTTP, bad values at the door ------------------
+
+PROMPT = "What is the capital of France?"
+RAW_PROMPT = "The capital of Italy is"
+
+
+def _flags(**values) -> dict:
+    types = {bool: "BOOL", int: "INT32", float: "FP32"}
+    tensors = {"text_input": TEXT_OF(RAW_PROMPT), "max_tokens": ("INT32", np.array([8], dtype=np.int32))}
+    for name, value in values.items():
+        dtype = {bool: np.bool_, int: np.int32, float: np.float32}[type(value)]
+        tensors[name] = (types[type(value)], np.array([value], dtype=dtype))
+    return tensors
+
+
+def TEXT_OF(text: str):
+    return ("BYTES", np.array([text.encode()], dtype=np.object_))
+
+
+@pytest.mark.parametrize("flags, with_prompt", [
+    ({"stream": True}, False),
+    ({"stream": True, "exclude_input_in_output": False}, False),   # ignored while streaming
+    ({"stream": True, "exclude_input_in_output": True}, False),
+    ({}, True),                                                     # one response: TensorRT-LLM's default
+    ({"exclude_input_in_output": True}, False),
+    ({"stream": False, "exclude_input_in_output": False}, True),
+])
+def test_text_output_per_flag_and_stream(llm_server, flags, with_prompt):
+    """A stream carries new text only, whatever exclude_input_in_output says; one response
+    prepends the prompt unless exclude_input_in_output is true."""
+    new_text = greedy_reference(RAW_PROMPT, 8, chat=False)
+    result = raw_request(llm_server.grpc_url, _flags(**flags))
+    assert result.error is None and len(result.token_ids) == 8
+    assert result.text == (RAW_PROMPT + new_text if with_prompt else new_text)
+    assert len(result.pieces) > 1 if flags.get("stream") else len(result.pieces) == 1
+
+
+def test_a_character_cut_by_max_tokens_ends_as_decode_shows_it(llm_server):
+    """The last response flushes a character that max_tokens cut, so the text equals
+    tokenizer.decode(ids); no earlier piece carries a broken character."""
+    tok, _ = _hf_default()
+    prompt = "Describe this emoji: 🚀🙂"
+    ids = greedy_ids(prompt, 12)
+    cut = max(n for n in range(1, 13) if tok.decode(ids[:n], skip_special_tokens=True).endswith("\ufffd"))
+    for stream in (True, False):
+        result = stream_generate(llm_server.grpc_url, "llm", prompt, max_tokens=cut, chat=True, stream=stream)
+        assert result.error is None and result.token_ids == ids[:cut]
+        assert result.text == tok.decode(ids[:cut], skip_special_tokens=True)
+        assert all("\ufffd" not in piece for piece in result.pieces[:-1])
+
+
+def test_http_generate_and_generate_stream_equal_grpc(llm_server):
+    """Triton's HTTP generate extension: generate_stream's events carry the same pieces as
+    gRPC's stream (no prompt in the first), generate the same text in one answer."""
+    from tests.http_generate import generate, generate_stream
+    grpc = stream_generate(llm_server.grpc_url, "llm", PROMPT, max_tokens=12, chat=True)
+    body = {"text_input": PROMPT, "max_tokens": 12, "apply_chat_template": True}
+    events = generate_stream(llm_server.http_port, "llm", {**body, "stream": True})
+    assert [e["text_output"] for e in events if "text_output" in e] == grpc.pieces
+    assert events[-1]["finish_reason"] == grpc.finish_reason != ""
+    status, answer = generate(llm_server.http_port, "llm", {**body, "exclude_input_in_output": True})
+    assert status == 200 and answer["text_output"] == grpc.text
+    status, answer = generate(llm_server.http_port, "llm", body)
+    assert status == 200 and answer["text_output"] == PROMPT + grpc.text
+    status, answer = generate(llm_server.http_port, "llm", {**body, "temperature": float("inf")})
+    assert status == 400 and "temperature must be a finite number" in answer["error"]
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"text_input": ("BYTES", np.array([b"caf\xe9 au lait"], dtype=np.object_))}, "text_input is not valid UTF-8"),
+    ({"text_input": TEXT, "temperature": ("FP32", np.array([np.nan], dtype=np.float32))},
+     "temperature must be a finite number"),
+    ({"text_input": TEXT, "top_p": ("FP32", np.array([np.inf], dtype=np.float32))}, "top_p must be a finite number"),
+    ({"text_input": TEXT, "end_id": ("INT32", np.array([10 ** 6], dtype=np.int32))}, "end_id 1000000 is not a token"),
+])
+def test_bad_values_are_refused_at_the_door_while_neighbours_stream(llm_server, tensors, message):
+    """A poisoned request among live ones gets its own clear error; every other stream is exact."""
+    expected = [greedy_reference(p, 16) for p in PROMPTS[:4]]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        good = [pool.submit(stream_generate, llm_server.grpc_url, "llm", p, max_tokens=16, chat=True)
+                for p in PROMPTS[:4]]
+        time.sleep(0.3)   # the good ones are running when the bad one arrives
+        bad = pool.submit(raw_request, llm_server.grpc_url, tensors).result(timeout=60)
+        results = [f.result(timeout=120) for f in good]
+    assert bad.error is not None and message in bad.error, bad.error
+    assert [r.text for r in results] == expected
+    assert llm_server.wait_kv_full("llm")

@@ -49,10 +49,24 @@ def test_stop_words_tensor():
     ({"text_input": "x", "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens must be a int"),
     ({"text_input": "x", "top_p": np.float32(0)}, "top_p must be in"),
     ({"text_input": "x", "temperature": np.float32(-1)}, "temperature must be >= 0"),
+    ({"text_input": "x", "temperature": np.float32("nan")}, "temperature must be a finite number"),
+    ({"text_input": "x", "temperature": np.float32("inf")}, "temperature must be a finite number"),
+    ({"text_input": "x", "top_p": np.float32("nan")}, "top_p must be a finite number"),
+    ({"text_input": "x", "sampling_parameters": '{"temperature": "NaN"}'}, "temperature must be a finite"),
+    ({"text_input": "x", "sampling_parameters": '{"max_tokens": "inf"}'}, "max_tokens must be a int"),
+    ({"text_input": "x", "sampling_parameters": '{"seed": -1}'}, "seed must be in"),
+    ({"text_input": "x", "end_id": np.int32(-2)}, "end_id must be >= 0"),
 ])
 def test_bad_input_is_a_clear_error(tensors, message):
     with pytest.raises(InvalidRequest, match=message):
         parse_request(getter(**tensors), 16)
+
+
+@pytest.mark.parametrize("name", ["text_input", "stop_words", "sampling_parameters"])
+def test_bytes_that_are_not_utf8_are_named(name):
+    arrays = {"text_input": np.array([b"hi"], dtype=np.object_), name: np.array([b"\xff\xfe ok"], dtype=np.object_)}
+    with pytest.raises(InvalidRequest, match=f"^{name} is not valid UTF-8$"):
+        parse_request(arrays.get, 16)
 
 
 def test_output_arrays_only_what_was_asked():
