@@ -63,8 +63,7 @@ class EngineConfig:
                 continue  # parameters of the adapter itself (e.g. transfer knobs) are not engine knobs
             if text.strip() == "":
                 continue
-            default = known[name].default
-            values[name] = type(default)(text) if not isinstance(default, bool) else text.lower() == "true"
+            values[name] = typed_parameter(name, text, known[name].default)
         values.update(overrides)
         if os.environ.get("TANDEM_MODEL_PATH"):
             values["model_path"] = os.environ["TANDEM_MODEL_PATH"]
@@ -105,6 +104,28 @@ class EngineConfig:
     @property
     def num_threads(self) -> int:
         return self.threads or _cpu_count()
+
+
+def typed_parameter(name: str, text: str, default):
+    """A config.pbtxt string as the type of its default; a bad value names the parameter."""
+    text = text.strip()
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"parameter {name!r} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return type(default)(text)
+    except ValueError:
+        raise ValueError(f"parameter {name!r} must be {'an' if type(default) is int else 'a'} "
+                         f"{type(default).__name__}, got {text!r}") from None
+
+
+def refuse_unknown(params: dict[str, str], known, model: str) -> None:
+    """A misspelt knob would silently keep its default: refuse it at load, by name."""
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ValueError(f"{model}: unknown parameter{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))} in config.pbtxt (known: {', '.join(sorted(known))})")
 
 
 def parameter_table() -> str:

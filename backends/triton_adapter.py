@@ -11,13 +11,14 @@ file imports without Triton (tests drive it with a stand-in).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from backends.config import EngineConfig
+from backends.config import EngineConfig, refuse_unknown
 from backends.engine import Engine, InvalidRequest
 from backends.request import RequestOutput
 from backends.triton_io import OUTPUTS, PER_TOKEN_OUTPUTS, GenerateRequest, control_room, output_arrays, parse_request
@@ -119,6 +120,14 @@ def room_request_id(room: int) -> str:
     return f"room-{room}"
 
 
+def engine_parameter_names(role: str) -> set[str]:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    if role != "colocated":
+        from backends.disagg.config import DisaggConfig
+        names |= {f.name for f in dataclasses.fields(DisaggConfig)}
+    return names
+
+
 def make_role(role: str, params: dict[str, str]):
     """The scheduler role of an engine model: None (colocated), prefill or decode."""
     if role == "colocated":
@@ -186,6 +195,7 @@ class EngineModel(StreamingModel):
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.params = model_parameters(args)
+        refuse_unknown(self.params, engine_parameter_names(self.role), args.get("model_name", self.role))
         self.cfg = EngineConfig.from_params(self.params, role=self.role)
         self.sends = SendPool(SEND_THREADS)
         self.engine = self.create_engine()

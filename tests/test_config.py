@@ -60,3 +60,26 @@ def test_readme_lists_every_engine_parameter_with_its_default():
     from backends.config import parameter_table
     with open(os.path.join(ROOT, "README.md")) as f:
         assert parameter_table() in f.read(), "paste `python -m backends.config` into the README"
+
+
+def test_bad_parameter_values_name_the_parameter():
+    with pytest.raises(ValueError, match="parameter 'page_size' must be an int, got 'sixteen'"):
+        EngineConfig.from_params({"page_size": "sixteen"})
+    with pytest.raises(ValueError, match="parameter 'kv_memory_gb' must be a float"):
+        EngineConfig.from_params({"kv_memory_gb": "lots"})
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("model, params, message", [
+    ("llm", {"page_sise": "8"}, "llm: unknown parameter 'page_sise' in config.pbtxt"),
+    ("llm", {"nixl_port": "1"}, "llm: unknown parameter 'nixl_port'"),   # a hand-off knob on the colocated model
+    ("llm", {"threads": "two"}, "parameter 'threads' must be an int, got 'two'"),
+])
+def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model, params, message):
+    from tests.server import TritonServer
+    server = TritonServer(str(tmp_path), models=[model], parameters={model: params}, ready_timeout_s=120)
+    with pytest.raises(RuntimeError) as failed:
+        server.start()
+    server.stop()
+    with open(server.log_path) as f:
+        assert message in f.read(), failed.value
