@@ -90,7 +90,7 @@ class Request:
         self.pages: list[int] = []
         self.status = Status.WAITING
         self.arrival = next(_arrival)
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.generator: torch.Generator | None = None   # made by the sampler, on its device, from params.seed
         self.emitted_ids = 0   # output tokens already sent to the sink
         self.last_logprob: float | None = None   # computed only where a hand-off carries it
         # disaggregated hand-off: the bootstrap room pairs the prefill and decode halves

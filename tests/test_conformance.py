@@ -162,3 +162,48 @@ def test_no_nanobind_leak_report_at_exit(checkpoint):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]
     assert "nanobind" not in proc.stderr, proc.stderr[:2000]
+
+
+def _requests(*params):
+    from backends.request import Request
+    return [Request(f"r{i}", [1, 2], p, None, None) for i, p in enumerate(params)]
+
+
+def test_sampled_rows_follow_softmax_with_top_k_and_top_p():
+    """Gumbel-max draws, many rows at once, have the frequencies of the (truncated) softmax."""
+    from backends.sampler import sample_logits
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    cases = {  # params -> the distribution the draws must follow
+        SamplingParams(temperature=1.0): torch.softmax(logits, -1),
+        SamplingParams(temperature=0.5): torch.softmax(logits / 0.5, -1),
+        SamplingParams(temperature=1.0, top_k=2): torch.softmax(logits[:2], -1),
+        SamplingParams(temperature=1.0, top_p=0.8): torch.softmax(logits[:3], -1),  # 0.57 + 0.21 < 0.8
+    }
+    n = 4000
+    for params, want in cases.items():
+        torch.manual_seed(0)
+        tokens, _ = sample_logits(logits.repeat(n, 1), _requests(*[params] * n), [[]] * n, with_logprobs=False)
+        freq = torch.bincount(torch.tensor(tokens), minlength=6)[:len(want)].float() / n
+        assert sum(tokens.count(t) for t in range(len(want))) == n, params
+        assert torch.allclose(freq, want, atol=0.03), (params, freq, want)
+
+
+def test_a_seeded_row_draws_the_same_whatever_its_neighbours():
+    """Each seeded row has its own generator on the logits' device (never a CPU generator fed
+    a CUDA tensor), so its draws are the same alone and in any batch."""
+    from backends.sampler import sample_logits
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+
+    def draws(reqs, rows):
+        out = []
+        for _ in range(6):
+            tokens, _ = sample_logits(logits[rows].clone(), reqs, [[]] * len(reqs), with_logprobs=False)
+            out.append(tokens)
+        return out
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [t[0] for t in draws(_requests(seeded), [2])]
+    other = SamplingParams(temperature=0.7, top_k=20)
+    reqs = _requests(other, seeded, SamplingParams(), other)
+    batched = [t[1] for t in draws(reqs, [0, 2, 3, 4])]
+    assert alone == batched and len(set(alone)) > 1
+    assert reqs[1].generator.device == logits.device
