@@ -71,6 +71,9 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Aborts of ids not seen yet: a cancel can overtake its request (the router sends it as
+        # a request of its own), and the request is then ended as soon as it arrives.
+        self.early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self.num_preemptions = 0
@@ -123,10 +126,17 @@ class Scheduler:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 self.requests[item.id] = item
-                if not self.role.admit(item):
+                if item.id in self.early_aborts:
+                    del self.early_aborts[item.id]
+                    self.finish(item, "abort")
+                elif not self.role.admit(item):
                     self.waiting.append(item)
             elif item in self.requests:
                 self.finish(self.requests[item], "abort")
+            else:
+                self.early_aborts[item] = None
+                while len(self.early_aborts) > 10_000:  # aborts of requests that had already finished
+                    self.early_aborts.popitem(last=False)
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> Batch | None:

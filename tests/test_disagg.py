@@ -31,12 +31,31 @@ PARAMS = SamplingParams(max_tokens=20, min_tokens=20)
     (80, 3071, {}, 0),            # below the threshold: one write after the forward
     (80, 9216, {"pipeline_group_size": 10}, 10),  # fixed override
     (8, 9216, {"pipeline_group_size": 10}, 8),    # override capped at the layer count
-    (4, 3072, {}, 1),             # never below one layer
+    (80, 100, {"pipeline_group_size": 10}, 10),   # a fixed size wins over the threshold
+    (3, 100, {"pipeline_group_size": 1}, 1),      # and over the small-model rule
+    (5, 3072, {}, 1),             # never below one layer
+    (4, 9216, {}, 0),             # 4 layers or fewer: one write after the forward
+    (2, 3072, {}, 0),
     (80, 9216, {"pipeline": "off"}, 0),
+    (80, 9216, {"pipeline": "off", "pipeline_group_size": 10}, 0),
+    (80, 0, {"pipeline_min_tokens": 0}, 8),       # threshold 0: every step pipelined, no division by zero
+    (80, 2, {"pipeline_min_tokens": 0}, 11),
+    (80, 5000, {"pipeline_min_tokens": 0}, 20),
 ])
 def test_layer_group_size(layers, tokens, knobs, expected):
-    cfg = DisaggConfig(pipeline_min_tokens=3072, **knobs)
+    cfg = DisaggConfig(**{"pipeline_min_tokens": 3072, **knobs})
     assert layer_group_size(layers, tokens, cfg) == expected
+
+
+@pytest.mark.parametrize("name, value", [
+    ("pipeline_min_tokens", "-1"), ("pipeline_group_size", "-2"), ("pipeline_min_iters", "0"),
+    ("pipeline_max_iters", "x"), ("pipeline_saturation", "1"), ("transfer_timeout_s", "0"),
+    ("handshake_timeout_s", "-1"), ("meta_slots", "0"), ("decode_reserve_tokens", "-1"),
+    ("nixl_port", "70000"), ("pipeline", "sometimes"),
+])
+def test_bad_knobs_are_refused_naming_the_parameter(name, value):
+    with pytest.raises(ValueError, match=name):
+        DisaggConfig.from_params({name: value})
 
 
 def test_layer_groups_cover_every_layer_once():
@@ -104,19 +123,172 @@ def test_transfer_error_reported_and_engines_go_on(pair, monkeypatch):
     assert dec[-1].error is None and len(token_ids(dec)) == 20
 
 
-def test_cancel_during_prealloc(checkpoint):
-    # the decode pool cannot hold this request's reserve, so it waits in prealloc
-    pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 12})
+def writes_in_flight(pair, monkeypatch) -> threading.Event:
+    """The prefill side's KV writes look in flight (NIXL says PROC) until the returned
+    gate is set, as over RDMA, where a write ends long after its post."""
+    gate = threading.Event()
+    transport = pair.prefill.scheduler.role.worker.transport
+    poll = transport.poll
+    monkeypatch.setattr(transport, "poll", lambda h: poll(h) if gate.is_set() else "PROC")
+    return gate
+
+
+def wait_for(done, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done()
+
+
+# ---- preemption on the prefill side ----------------------------------------------------
+def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint, colocated, monkeypatch):
+    # 20 prefill pages cannot hold both prompts (13 + 10 pages): the later one is preempted
+    pair = Pair(checkpoint("llama"), prefill_engine={"num_pages": 20}, pipeline_min_tokens=8,
+                pipeline_group_size=1, transfer_timeout_s=20)
+    gate = writes_in_flight(pair, monkeypatch)
     try:
-        room, d, p = pair.submit(prompts(4)[3], SamplingParams(max_tokens=200))
-        time.sleep(0.5)
-        assert pair.decode.stats()["prealloc"] == 1
-        pair.decode.abort(f"room-{room}")
-        pair.prefill.abort(f"room-{room}")
-        assert drain(d, 10)[-1].finish_reason == "abort" and drain(p, 10)[-1].finish_reason == "abort"
+        role, pool = pair.prefill.scheduler.role, pair.prefill.scheduler.pool
+        events, posted, freed_early = [], set(), []
+        write, free, preempt = role.worker.write, pool.free, role.on_preempt
+
+        def record_write(room, peer, layers, local, remote):
+            events.append(("write", room, tuple(remote)))
+            posted.update(local)
+            write(room, peer, layers, local, remote)
+
+        def record_free(pages):
+            if not gate.is_set():
+                freed_early.extend(pages)
+            free(pages)
+
+        def record_preempt(req):
+            events.append(("preempt", req.room, ()))
+            preempt(req)
+        monkeypatch.setattr(role.worker, "write", record_write)
+        monkeypatch.setattr(pool, "free", record_free)
+        monkeypatch.setattr(role, "on_preempt", record_preempt)
+
+        batch = [prompts(4)[3], prompts(2)[1]]
+        handles = [pair.submit(ids, PARAMS) for ids in batch]
+        assert wait_for(lambda: pair.prefill.stats()["preemptions"] > 0)
+        time.sleep(1.0)  # longer than a preemption waits for the writes
+        assert not posted & set(freed_early), "pages went back to the pool while writes still read them"
+        gate.set()
+        expected = [token_ids(o) for o in collect(colocated, batch, PARAMS)]
+        for (_, d, p), want in zip(handles, expected):
+            dec = drain(d, 30)
+            assert dec[-1].error is None and token_ids(dec) == want and drain(p, 30)[-1].error is None
+        assert pair.wait_kv_whole()
+        for room in {room for kind, room, _ in events if kind == "preempt"}:
+            mine = [(kind, pages) for kind, r, pages in events if r == room]
+            last = max(i for i, (kind, _) in enumerate(mine) if kind == "preempt")
+            every = {p for kind, pages in mine if kind == "write" for p in pages}
+            again = {p for kind, pages in mine[last:] if kind == "write" for p in pages}
+            assert again == every, "a recomputed request must send all of its KV again"
+    finally:
+        gate.set()
+        pair.close()
+
+
+# ---- the decode quarantine ---------------------------------------------------------------
+@pytest.mark.parametrize("who", ["prefill", "decode"])
+def test_quarantine_holds_until_prefill_says_released(pair, monkeypatch, who):
+    gate = writes_in_flight(pair, monkeypatch)
+    try:
+        room, d, p = pair.submit(prompts(2)[1], PARAMS)
+        assert wait_for(lambda: pair.prefill.stats()["shipping"] == 1)  # every KV write posted
+        (pair.prefill if who == "prefill" else pair.decode).abort(f"room-{room}")
+        assert drain(d, 10)[-1].finish_reason == ("error" if who == "prefill" else "abort")
+        assert drain(p, 10)[-1].finish_reason == "abort"
+        time.sleep(0.3)  # the prefill side's `error` has reached decode by now
+        assert pair.decode.stats()["quarantined_pages"] > 0, "decode freed pages prefill may still write"
+        assert not pair.kv_whole()
+    finally:
+        gate.set()
+    assert pair.wait_kv_whole()
+    [(dec, _)] = pair.run([prompts(2)[1]], PARAMS)
+    assert dec[-1].error is None
+
+
+# ---- overload and cancels on decode ------------------------------------------------------
+def blocked_pair(checkpoint, monkeypatch, **knobs):
+    """A pair whose decode pool is taken by a long request: the next ones wait in prealloc."""
+    pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 128}, decode_reserve_tokens=400, **knobs)
+    run = pair.decode.scheduler.runner.run
+    monkeypatch.setattr(pair.decode.scheduler.runner, "run", lambda *a: (time.sleep(0.02), run(*a))[1])
+    room, d, _ = pair.submit(prompts(4)[3], SamplingParams(max_tokens=400, min_tokens=400))  # 8 s of decode
+    d.get(timeout=30)
+    return pair, room, d
+
+
+def test_overload_queues_past_the_transfer_timeout(checkpoint, monkeypatch):
+    pair, blocker, blocked = blocked_pair(checkpoint, monkeypatch, transfer_timeout_s=1.0)
+    try:
+        _, d, p = pair.submit(prompts(4)[3], PARAMS)
+        time.sleep(2.5)
+        assert pair.decode.stats()["prealloc"] == 1 and d.empty() and p.empty(), "a queued request failed"
+        pair.decode.abort(f"room-{blocker}")
+        assert drain(blocked, 10)[-1].finish_reason == "abort"
+        dec, pre = drain(d, 30), drain(p, 30)
+        assert dec[-1].error is None and len(token_ids(dec)) == 20 and pre[-1].error is None
         assert pair.wait_kv_whole()
     finally:
         pair.close()
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once(checkpoint):
+    pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 8})  # 32 tokens, the prompt has 50
+    try:
+        room, d, p = pair.submit(prompts(4)[3], PARAMS, to_prefill=False)
+        assert "needs 13 KV pages" in drain(d, 10)[-1].error
+    finally:
+        pair.close()
+
+
+def test_cancel_during_prealloc(checkpoint, monkeypatch):
+    pair, blocker, _ = blocked_pair(checkpoint, monkeypatch)
+    try:
+        room, d, p = pair.submit(prompts(4)[3], PARAMS)
+        assert wait_for(lambda: pair.decode.stats()["prealloc"] == 1)
+        pair.decode.abort(f"room-{room}")
+        pair.prefill.abort(f"room-{room}")
+        assert drain(d, 10)[-1].finish_reason == "abort" and drain(p, 10)[-1].finish_reason == "abort"
+        pair.decode.abort(f"room-{blocker}")
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
+def test_decode_cancel_reaches_a_prefill_request_that_comes_later(checkpoint, monkeypatch):
+    pair, blocker, _ = blocked_pair(checkpoint, monkeypatch, transfer_timeout_s=5.0)
+    try:
+        room, d, _ = pair.submit(prompts(4)[3], PARAMS, to_prefill=False)
+        assert wait_for(lambda: pair.decode.stats()["prealloc"] == 1)
+        pair.decode.abort(f"room-{room}")
+        assert drain(d, 10)[-1].finish_reason == "abort"
+        time.sleep(0.5)  # the decode side's messages have reached the prefill engine
+        p = queue.Queue()
+        start = time.monotonic()
+        pair.prefill.generate(prompts(4)[3], PARAMS, p.put, request_id=f"room-{room}", room=room)
+        assert drain(p, 10)[-1].finish_reason == "abort" and time.monotonic() - start < 2
+        pair.decode.abort(f"room-{blocker}")
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
+def test_cancel_before_the_request_arrives(checkpoint):
+    # the router sends a cancel as a request of its own: it can overtake the one it cancels
+    engine = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=64, role="decode"),
+                    role=DecodeRole(DisaggConfig(prefill_address=f"127.0.0.1:{free_port()}"))).start()
+    try:
+        engine.abort("room-7")
+        q = queue.Queue()
+        engine.generate(prompts(1)[0], PARAMS, q.put, request_id="room-7", room=7)
+        out = drain(q, 5)
+        assert out[-1].finish_reason == "abort"
+    finally:
+        engine.stop()
 
 
 def test_cancel_during_transfer_quarantines_until_released(pair):

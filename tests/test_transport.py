@@ -22,6 +22,7 @@ nixl = pytest.importorskip("nixl")
 from backends.disagg.transport import (  # noqa: E402
     KVLayout, KVTransport, Region, TransferError, coalesce_pairs, coalesce_runs, page_descs,
 )
+from backends.disagg.worker import TransferWorker  # noqa: E402
 
 SENTINEL = -1.0
 SHAPE = dict(num_layers=4, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
@@ -76,10 +77,10 @@ def test_layout_mismatches_name_the_fields():
 # ---------------------------------------------------------------- peer processes
 
 
-def _peer_main(conn, name, shape):
+def _peer_main(conn, name, shape, port=None):
     kv, meta = make_buffers(**shape)
     snapshot = kv.numel() < 1 << 20
-    with KVTransport(name, kv, meta) as t:
+    with KVTransport(name, kv, meta, listen_port=port) as t:
         conn.send(("ok", t.port))
         inbox, deadline = [], time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -126,11 +127,11 @@ def _serve(t, kv, meta, inbox, cmd, args):
 class Peer:
     """A KVTransport in a spawned process, driven over a pipe."""
 
-    def __init__(self, name, **shape):
+    def __init__(self, name, port=None, **shape):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.name = name
-        self.proc = ctx.Process(target=_peer_main, args=(child, name, {**SHAPE, **shape}), daemon=True)
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, {**SHAPE, **shape}, port), daemon=True)
         self.proc.start()
         self.inbox = []  # what `pump` drained from the local transport while waiting
         self.port = self._result(60, None)
@@ -324,6 +325,46 @@ def test_peer_killed_before_transfer_then_restarted(prefill):
         np.testing.assert_array_equal(kv[0][:, [4, 5]], prefill.kv.numpy()[0][:, [2, 3]])
     finally:
         again.stop()
+
+
+def _next_event(worker, kinds, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in worker.take_events():
+            if event[0] in kinds:
+                return event
+        time.sleep(0.01)
+    return None
+
+
+def test_worker_dials_a_restarted_listener_again():
+    # Decode's view of a prefill engine that restarts: the peer it dialed dies, and a new
+    # process comes back on the same port under the same name; dialing again must work.
+    kv, meta = make_buffers(**SHAPE)
+    worker = TransferWorker(KVTransport("dialer", kv, meta), wake=lambda: None, timeout_s=10)
+    first = Peer("listener-restart")
+    try:
+        worker.connect(first.name, "127.0.0.1", first.port, timeout_s=5)
+        assert _next_event(worker, {"connected", "connect_failed"}, 10)[0] == "connected"
+        first.kill()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and not _next_event(worker, {"send_failed"}, 0.1):
+            worker.send(first.name, b"are you there", 0)  # as decode pings: UCX notices the death
+        assert time.monotonic() - t0 < 10
+        again = Peer("listener-restart", port=first.port)
+        try:
+            start = time.monotonic()
+            worker.connect(again.name, "127.0.0.1", again.port, timeout_s=5)
+            event = _next_event(worker, {"connected", "connect_failed"}, 10)
+            assert event[0] == "connected", event
+            assert time.monotonic() - start < 5
+            worker.send(again.name, b"after restart", 0)
+            assert again.call("wait", 1, 10)[0][1] == b"after restart"
+        finally:
+            again.stop()
+    finally:
+        first.stop()
+        worker.stop()
 
 
 def test_peer_killed_mid_transfer_survivor_moves_on():

@@ -14,7 +14,8 @@ class DisaggConfig:
     handshake_timeout_s: float = field(default=10.0, metadata={
         "doc": "decode: how long to wait for the prefill engine's NIXL metadata"})
     transfer_timeout_s: float = field(default=30.0, metadata={
-        "doc": "longest a request may wait for its KV (decode) or its destination (prefill)"})
+        "doc": "longest a request may wait for its KV once decode reserved it, or for its destination on prefill "
+               "(unless decode said it is queued: overload queues, it does not fail)"})
     decode_reserve_tokens: int = field(default=128, metadata={
         "doc": "decode: KV kept free per admitted request for the tokens it will still decode"})
     meta_slots: int = field(default=256, metadata={"doc": "metadata slots (first token, lengths) per engine"})
@@ -29,12 +30,21 @@ class DisaggConfig:
     pipeline_group_size: int = field(default=0, metadata={"doc": "prefill: fixed layers per group (0 = adaptive)"})
 
     def __post_init__(self):
-        if self.pipeline not in ("auto", "off"):
-            raise ValueError(f"pipeline must be auto or off, got {self.pipeline!r}")
-        if not 1 <= self.pipeline_min_iters <= self.pipeline_max_iters:
-            raise ValueError("need 1 <= pipeline_min_iters <= pipeline_max_iters")
-        if self.pipeline_saturation <= 1:
-            raise ValueError("pipeline_saturation must be > 1")
+        problems = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, rule, ok in (
+            ("pipeline", "auto or off", self.pipeline in ("auto", "off")),
+            ("nixl_port", "a port (0-65535)", 0 <= self.nixl_port <= 65535),
+            ("handshake_timeout_s", "> 0", self.handshake_timeout_s > 0),
+            ("transfer_timeout_s", "> 0", self.transfer_timeout_s > 0),
+            ("decode_reserve_tokens", ">= 0", self.decode_reserve_tokens >= 0),
+            ("meta_slots", ">= 1", self.meta_slots >= 1),
+            ("pipeline_min_tokens", ">= 0", self.pipeline_min_tokens >= 0),
+            ("pipeline_min_iters", ">= 1 and <= pipeline_max_iters",
+             1 <= self.pipeline_min_iters <= self.pipeline_max_iters),
+            ("pipeline_saturation", "> 1", self.pipeline_saturation > 1),
+            ("pipeline_group_size", ">= 0 (0 = adaptive)", self.pipeline_group_size >= 0),
+        ) if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def prefill_host_port(self) -> tuple[str, int]:
@@ -49,6 +59,9 @@ class DisaggConfig:
         for f in fields(DisaggConfig):
             text = params.get(f.name, "").strip()
             if text:
-                values[f.name] = type(f.default)(text)
+                try:
+                    values[f.name] = type(f.default)(text)
+                except ValueError:
+                    raise ValueError(f"{f.name} must be a {type(f.default).__name__}, got {text!r}") from None
         values.update(overrides)
         return DisaggConfig(**values)

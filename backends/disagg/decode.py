@@ -4,6 +4,11 @@ forward (a prebuilt batch: the first token comes from the metadata).
 
     prealloc (handshake, wait for KV) -> transfer (wait for `done`)
         -> prebuilt (first token from the metadata) -> running
+
+The prealloc queue has no timeout (an overloaded engine queues, it does not
+fail): transfer_timeout_s counts from the moment KV is reserved. A request that
+fails while the prefill engine may still be writing into its pages leaves them
+in quarantine until the prefill side says `released` (or the timeout passes).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ PING_S = 0.5
 
 class DecodeRole:
     carries_logprobs = False
+    ends_text = True
 
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
@@ -34,6 +40,7 @@ class DecodeRole:
         self.prealloc: list[Request] = []
         self.transfer: dict[int, Request] = {}            # room -> request whose KV is on its way
         self.quarantine: dict[int, tuple[list[int], int, float]] = {}  # room -> (pages, slot, since)
+        self.announced: set[int] = set()   # prealloc rooms the prefill side was told are queued
         self.last_ping = 0.0
         self.num_failed = 0
 
@@ -53,7 +60,6 @@ class DecodeRole:
         if req.room is None:
             raise ValueError("a decode request needs a bootstrap room")
         req.status = Status.TRANSFERRING
-        req.admitted_at = time.monotonic()
         self.prealloc.append(req)
         return True
 
@@ -71,14 +77,17 @@ class DecodeRole:
         return False
 
     def on_preempt(self, req: Request) -> None:
-        pass
+        """Nothing to do: a running request's KV has all landed, nothing else touches its pages."""
 
     def on_abort(self, req: Request) -> None:
         if req in self.prealloc:
             self.prealloc.remove(req)
-        elif self.transfer.pop(req.room, None) is not None:
+        if self.transfer.pop(req.room, None) is not None:
             self._hold(req)
-            self.worker.send(self.peer, protocol.encode("abort", req.room), req.room)
+            self._send("abort", req.room)
+        elif req.room in self.announced:
+            self._send("abort", req.room)  # the prefill side waits for its destination without a timeout
+        self.announced.discard(req.room)
 
     def _hold(self, req: Request) -> None:
         """Prefill may still write into these pages: keep them until it says released."""
@@ -94,23 +103,37 @@ class DecodeRole:
         while self.prealloc:
             req = self.prealloc[0]
             now, later = self._pages_needed(req)
+            if now > self.pool.num_pages:
+                self.prealloc.pop(0)
+                self._fail(req, f"the prompt needs {now} KV pages, the decode engine has {self.pool.num_pages}")
+                continue
             if self.pool.num_free - self._reserved() < now + later:
-                return  # the head waits for KV; requests keep their order
+                break  # the head waits for KV; requests keep their order
             slot = self.slots.take()
             if slot is None:
-                return
+                break
             self.prealloc.pop(0)
+            self.announced.discard(req.room)
             req.pages, req.meta_slot = self.pool.allocate(now), slot
+            req.admitted_at = time.monotonic()  # the transfer timeout counts from here
             self.meta[slot].zero_()
             self.transfer[req.room] = req
-            self.worker.send(self.peer, protocol.encode("dest", req.room, pages=req.pages, slot=slot,
-                                                        prompt_len=len(req.prompt_ids)), req.room)
+            self._send("dest", req.room, pages=req.pages, slot=slot, prompt_len=len(req.prompt_ids))
+        for req in self.prealloc:
+            if req.room not in self.announced:  # so that the prefill side waits for it as long as it takes
+                self.announced.add(req.room)
+                self._send("queued", req.room)
 
     def _pages_needed(self, req: Request) -> tuple[int, int]:
-        """Pages for the prompt now, and the reserve for the tokens it will decode."""
+        """Pages for the prompt now, and the reserve for the tokens it will decode (no more
+        than the pool can hold beside the prompt: the head of the queue must fit some day)."""
         now = self.pool.pages_for(len(req.prompt_ids))
         future = min(req.params.max_tokens, self.cfg.decode_reserve_tokens)
-        return now, self.pool.pages_for(len(req.prompt_ids) + future) - now
+        later = self.pool.pages_for(len(req.prompt_ids) + future) - now
+        return now, max(0, min(later, self.pool.num_pages - now))
+
+    def _send(self, kind: str, room: int, **fields) -> None:
+        self.worker.send(self.peer, protocol.encode(kind, room, **fields), room)
 
     def _reserved(self) -> int:
         """KV that admitted requests will still claim for their decode reserve."""
@@ -131,13 +154,18 @@ class DecodeRole:
         elif kind == "send_failed":
             self.peer_state, self.peer_error = "failed", args[1]
             self._fail_all(f"lost the prefill engine: {args[1]}", list(self.transfer.values()))
+            for room in list(self.quarantine):  # a dead peer has no write in flight
+                self._unquarantine(room)
         elif kind == "message":
             self._on_message(*args)
 
     def _on_message(self, peer: str, msg: dict) -> None:
         room, kind = msg["room"], msg["kind"]
-        if kind == "released" or (kind in ("error", "done") and room in self.quarantine):
-            self._unquarantine(room)
+        if room in self.quarantine:
+            # `done` too: the metadata is written after the last KV write finished. An
+            # `error` says nothing about writes still in flight: `released` follows it.
+            if kind in ("released", "done"):
+                self._unquarantine(room)
             return
         req = self.transfer.get(room)
         if req is None:
@@ -145,6 +173,8 @@ class DecodeRole:
         elif kind == "done":
             self._prebuild(req)
         elif kind == "error":
+            del self.transfer[room]
+            self._hold(req)  # writes it posted before it failed may still be landing
             self._fail(req, msg.get("msg", "the prefill engine failed"))
 
     def _prebuild(self, req: Request) -> None:
@@ -184,22 +214,21 @@ class DecodeRole:
 
     def _expire(self) -> None:
         now, limit = time.monotonic(), self.cfg.transfer_timeout_s
-        for req in [r for r in self.prealloc + list(self.transfer.values()) if now - r.admitted_at > limit]:
-            if req in self.prealloc:
-                self.prealloc.remove(req)
-            elif self.transfer.pop(req.room, None) is not None:
-                self._hold(req)
-                self.worker.send(self.peer, protocol.encode("abort", req.room), req.room)
+        for req in [r for r in self.transfer.values() if now - r.admitted_at > limit]:
+            del self.transfer[req.room]
+            self._hold(req)
+            self._send("abort", req.room)
             self._fail(req, f"KV transfer not done within {limit:g}s")
         for room, (_, _, since) in list(self.quarantine.items()):
             if now - since > limit:  # the prefill side never answered: it is gone or stuck
                 self._unquarantine(room)
 
     def _ping(self) -> None:
-        """While KV is on its way, notice a prefill engine that died (no message would come)."""
-        if self.transfer and self.peer_state == "ready" and time.monotonic() - self.last_ping > PING_S:
+        """Notice a prefill engine that died (no message would come), idle or not: the next
+        request then handshakes again, with whatever listens there now (a restarted engine)."""
+        if self.peer_state == "ready" and time.monotonic() - self.last_ping > PING_S:
             self.last_ping = time.monotonic()
-            self.worker.send(self.peer, protocol.encode("ping", 0), 0)
+            self._send("ping", 0)
 
     def stats(self) -> dict:
         return {"prealloc": len(self.prealloc), "transferring": len(self.transfer),

@@ -5,22 +5,29 @@ groups (up to max_iters) to hide most of the transfer; long prompts are compute
 bound and a few groups (min_iters) hide it with less per-write overhead. The
 number of groups falls linearly between pipeline_min_tokens and saturation x
 that, and the group size is the layer count divided by it, so any depth works.
-Below pipeline_min_tokens the step writes its KV once, after the forward.
+Below pipeline_min_tokens, and on models of SMALL_MODEL_LAYERS layers or fewer
+(where a write per group costs more than the overlap saves), the step writes
+its KV once, after the forward. A fixed pipeline_group_size overrides all of
+this: what the user set explicitly wins over the heuristics.
 """
 from __future__ import annotations
 
 from backends.disagg.config import DisaggConfig
 
+SMALL_MODEL_LAYERS = 4
+
 
 def layer_group_size(num_layers: int, avg_tokens: float, cfg: DisaggConfig) -> int:
     """Layers per group for a step, or 0 to write once after the forward."""
-    if cfg.pipeline == "off" or avg_tokens < cfg.pipeline_min_tokens:
+    if cfg.pipeline == "off":
         return 0
     if cfg.pipeline_group_size > 0:
         return min(cfg.pipeline_group_size, num_layers)
+    if num_layers <= SMALL_MODEL_LAYERS or avg_tokens < cfg.pipeline_min_tokens:
+        return 0
     lo, hi = cfg.pipeline_min_iters, cfg.pipeline_max_iters
-    saturated = cfg.pipeline_min_tokens * cfg.pipeline_saturation
-    t = min(max((avg_tokens - cfg.pipeline_min_tokens) / (saturated - cfg.pipeline_min_tokens), 0.0), 1.0)
+    start = max(cfg.pipeline_min_tokens, 1)  # a threshold of 0 pipelines every step; the ramp still needs a width
+    t = min(max((avg_tokens - start) / (start * cfg.pipeline_saturation - start), 0.0), 1.0)
     iters = min(max(hi - t * (hi - lo), lo), hi)
     return max(1, int(num_layers // iters))
 

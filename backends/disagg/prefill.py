@@ -9,20 +9,26 @@ metadata follows the last write, then the request leaves this engine.
 """
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 
 import torch
 
 from backends.disagg import protocol
 from backends.disagg.config import DisaggConfig
-from backends.disagg.pipeline import layer_group_size, layer_groups
+from backends.disagg.pipeline import SMALL_MODEL_LAYERS, layer_group_size, layer_groups
 from backends.disagg.transport import KVTransport
 from backends.disagg.worker import TransferWorker
 from backends.request import Request, Status
 from backends.runner import Batch
 
 log = logging.getLogger("tandem.prefill")
+# How long a preemption waits for the writes still reading the victim's pages. On a
+# CPU they finish as soon as the transfer thread has posted them; the scheduler needs
+# the pages now, or it preempts more requests (the requester itself last).
+PREEMPT_DRAIN_S = 0.5
 
 
 def prefill_agent_name(port: int) -> str:
@@ -31,6 +37,7 @@ def prefill_agent_name(port: int) -> str:
 
 class PrefillRole:
     carries_logprobs = True   # the first token's logprob travels with the KV
+    ends_text = False         # decode streams the rest: a character cut here is not the end
 
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
@@ -38,6 +45,10 @@ class PrefillRole:
         self.dests: dict[int, tuple[str, dict, float]] = {}  # room -> (decode peer, dest msg, arrival)
         self.shipping: dict[int, Request] = {}          # room -> request whose KV is on its way
         self.sent_pages: dict[int, int] = {}            # room -> pages already queued for writing
+        self.draining: list[tuple[threading.Event, list[int]]] = []  # preempted pages writes still read
+        self.decode_queued: set[int] = set()            # rooms decode holds in its queue until KV is free
+        # Rooms decode gave up before their request reached this engine; it is dropped on arrival.
+        self.aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.bytes_shipped = 0
         self.num_failed = 0
         self.fallback_logged = False
@@ -61,6 +72,9 @@ class PrefillRole:
         req.status = Status.TRANSFERRING
         self.bootstrap[req.room] = req
         req.admitted_at = time.monotonic()
+        if req.room in self.aborted:  # decode gave it up before it got here
+            del self.aborted[req.room]
+            self.scheduler.finish(req, "abort")
         return True
 
     def advance(self) -> None:
@@ -68,6 +82,9 @@ class PrefillRole:
             self._on_event(*event)
         for room in [r for r in self.bootstrap if r in self.dests]:
             self._start(self.bootstrap.pop(room))
+        for drained, pages in [d for d in self.draining if d[0].is_set()]:
+            self.draining.remove((drained, pages))
+            self.scheduler.pool.free(pages)
         self._expire()
 
     def on_sampled(self, req: Request) -> bool:
@@ -90,19 +107,26 @@ class PrefillRole:
         return True
 
     def on_preempt(self, req: Request) -> None:
-        pass
+        """The request recomputes its prompt, so its KV is sent again in full; the writes
+        queued so far still read its pages, which go back to the pool only once they finish."""
+        if self.sent_pages.pop(req.room, None) is None:
+            return  # nothing was queued from these pages
+        drained = self.worker.drain(req.room)
+        if not drained.wait(PREEMPT_DRAIN_S):
+            log.warning("room %d preempted with KV writes in flight: its pages wait for them", req.room)
+            self.draining.append((drained, req.pages))
+            req.pages = []
 
     def on_abort(self, req: Request) -> None:
         self.bootstrap.pop(req.room, None)
+        self.decode_queued.discard(req.room)
         dest = self.dests.pop(req.room, None)
-        if req.room in self.sent_pages or req.room in self.shipping:
-            # writes may still read these pages: keep them until the worker lets go
-            self.shipping[req.room] = req
-            req.held_pages, req.pages = req.pages, []
-            self.worker.cancel(req.room)
-        if dest is not None:
-            self.worker.send(dest[0], protocol.encode("error", req.room, msg="the prefill engine aborted the request"),
-                             req.room)
+        if dest is None:
+            return  # decode never gave a destination: nothing was written
+        # writes may still read these pages: keep them until the worker says released
+        self.shipping[req.room] = req
+        req.held_pages, req.pages = req.pages, []
+        self._give_up(dest[0], req.room, "the prefill engine aborted the request")
 
     def layer_hook(self, batch: Batch):
         """Post each layer group's KV writes as soon as the group is computed."""
@@ -113,8 +137,10 @@ class PrefillRole:
         num_layers = self.scheduler.runner.model.cfg.num_layers
         size = layer_group_size(num_layers, avg, self.cfg)
         if size == 0 and not self.fallback_logged:
-            log.info("KV written after the forward for steps under %d tokens per request (pipeline=%s)",
-                     self.cfg.pipeline_min_tokens, self.cfg.pipeline)
+            log.info("KV written after the forward for steps under %d tokens per request and for models of "
+                     "%d layers or fewer (pipeline=%s, pipeline_group_size=%d, %d layers)",
+                     self.cfg.pipeline_min_tokens, SMALL_MODEL_LAYERS, self.cfg.pipeline,
+                     self.cfg.pipeline_group_size, num_layers)
             self.fallback_logged = True
         ends = {g.stop - 1: g for g in layer_groups(num_layers, size)}
         on_gpu = self.scheduler.runner.device.type == "cuda"
@@ -155,8 +181,7 @@ class PrefillRole:
             problem = f"decode gave {len(dest.get('pages', []))} pages, the prompt needs {need}"
         if problem:
             self.dests.pop(req.room)
-            self.worker.send(peer, protocol.encode("error", req.room, msg=f"prefill refused the room: {problem}"),
-                             req.room)
+            self._give_up(peer, req.room, f"prefill refused the room: {problem}")
             self.scheduler.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
             return
         req.status = Status.WAITING
@@ -190,14 +215,30 @@ class PrefillRole:
     def _on_message(self, peer: str, msg: dict) -> None:
         room, kind = msg["room"], msg["kind"]
         if kind == "dest":
+            self.decode_queued.discard(room)
             self.dests[room] = (peer, msg, time.monotonic())
+        elif kind == "queued":
+            self.decode_queued.add(room)
         elif kind == "abort":
+            self.decode_queued.discard(room)
             req = self.bootstrap.get(room) or self._running(room) or self.shipping.get(room)
             if req is not None:
                 self.scheduler.finish(req, "abort")
-            else:
-                self.dests.pop(room, None)
-                self.worker.send(peer, protocol.encode("released", room), room)
+                return
+            if self.dests.pop(room, None) is None:
+                self._remember_aborted(room)
+            self.worker.cancel(room, peer)  # says released (at once: nothing of it is in flight)
+
+    def _give_up(self, peer: str, room: int, message: str) -> None:
+        """Tell decode the room failed, then `released` once no write for it is in flight:
+        until then decode keeps the pages it gave the room."""
+        self.worker.send(peer, protocol.encode("error", room, msg=message), room)
+        self.worker.cancel(room, peer)
+
+    def _remember_aborted(self, room: int) -> None:
+        self.aborted[room] = None
+        while len(self.aborted) > 10_000:
+            self.aborted.popitem(last=False)
 
     def _running(self, room: int) -> Request | None:
         return next((r for r in self.scheduler.running + list(self.scheduler.waiting) if r.room == room), None)
@@ -214,15 +255,14 @@ class PrefillRole:
     def _expire(self) -> None:
         now, limit = time.monotonic(), self.cfg.transfer_timeout_s
         for room, req in list(self.bootstrap.items()):
-            if now - req.admitted_at > limit:
+            if now - req.admitted_at > limit and room not in self.decode_queued:  # a queued room waits
                 self.bootstrap.pop(room)
                 self.scheduler.finish(req, "error", error=f"no KV destination from the decode engine within {limit:g}s")
         for room, (peer, _, at) in list(self.dests.items()):
             if now - at > limit and room not in self.shipping and self._running(room) is None \
                     and room not in self.bootstrap:
                 self.dests.pop(room)
-                self.worker.send(peer, protocol.encode("error", room, msg="the prefill engine never got this request"),
-                                 room)
+                self._give_up(peer, room, "the prefill engine never got this request")
 
     def stats(self) -> dict:
         return {"kv_bytes_sent": self.bytes_shipped, "kv_write_seconds": self.worker.write_seconds,

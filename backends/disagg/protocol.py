@@ -4,11 +4,15 @@ Messages travel as NIXL notifications (JSON). Every message names its
 bootstrap room, and a receiver acts only on rooms it knows, so no request can
 ever take another's KV:
 
+    decode -> prefill   queued    room: no KV free here yet, the dest follows (prefill waits without a timeout)
     decode -> prefill   dest      room, pages, slot, prompt_len: where to write
     decode -> prefill   abort     room: the decode side gave the request up
+    decode -> prefill   ping      room 0: is the prefill engine still there (a failed send says no)
     prefill -> decode   done      room: KV and metadata have landed (the meta write's notification)
     prefill -> decode   error     room, msg: the prefill side failed or refused the room
-    prefill -> decode   released  room: no write for this room is in flight any more
+    prefill -> decode   released  room: no write for this room is in flight any more; it follows
+                                  every error and answers every abort, and only then may decode
+                                  give the room's pages to another request
 
 The metadata row (int64) is written into the decode engine's slot after the
 last KV write: room, first token, its logprob (float64 bits), prompt length.

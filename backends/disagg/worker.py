@@ -22,6 +22,7 @@ from backends.disagg.transport import KVTransport, TransferError, XferHandle
 
 log = logging.getLogger("tandem.transfer")
 POLL_S = 0.002
+FIRST_DIAL_S = 1.0
 
 
 @dataclass
@@ -44,6 +45,7 @@ class TransferWorker:
         self.commands: queue.Queue = queue.Queue()
         self.events: collections.deque = collections.deque()
         self.shipments: dict[int, Shipment] = {}
+        self.fences: list[tuple[list[XferHandle], threading.Event]] = []  # see drain()
         # Rooms that failed or were cancelled: later writes for them are dropped,
         # since the decode side may already have given their pages to another request.
         self.closed: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -98,6 +100,18 @@ class TransferWorker:
             self._emit("message", peer, msg)
         for ship in list(self.shipments.values()):
             self._advance(ship)
+        self._check_fences()
+
+    def _check_fences(self) -> None:
+        waiting = []
+        for handles, done in self.fences:
+            # a released handle was cancelled by NIXL (a failed or timed-out shipment)
+            if any(not h.released and self.transport.poll(h) == "PROC" for h in handles):
+                waiting.append((handles, done))
+            else:
+                done.set()
+                self.wake()
+        self.fences = waiting
 
     # ---- prefill side: shipments ---------------------------------------------------
     def write(self, room: int, peer: str, layers: range, local: list[int], remote: list[int]) -> None:
@@ -130,30 +144,45 @@ class TransferWorker:
             self.shipments.setdefault(room, Shipment(room, peer)).meta = (local_slot, remote_slot)
         self.call(mark)
 
-    def cancel(self, room: int) -> None:
+    def cancel(self, room: int, peer: str) -> None:
+        """Drop the room's later writes; once none is in flight, tell the decode peer
+        `released` (it frees the pages it held for the room) and emit `released`."""
         def mark():
             ship = self.shipments.get(room)
             if ship is None:
                 self._remember_closed(room)
-                self._emit("released", room, 0)
+                self._release(room, peer, 0)
             else:
                 ship.cancelled = True
         self.call(mark)
 
+    def drain(self, room: int) -> threading.Event:
+        """An event set once every write queued so far for the room has finished."""
+        done = threading.Event()
+
+        def fence():  # runs after the writes queued before it: the commands keep their order
+            ship = self.shipments.get(room)
+            self.fences.append((list(ship.handles) if ship else [], done))
+        self.call(fence)
+        return done
+
     def _advance(self, ship: Shipment) -> None:
         states = [self.transport.poll(h) for h in ship.handles]
+        meta_busy = ship.meta_handle is not None and self.transport.poll(ship.meta_handle) == "PROC"
+        late = time.monotonic() - ship.started > self.timeout_s
         if "ERR" in states:
             self._fail(ship, "a KV write to the decode engine failed (NIXL reported an error)")
-        elif "PROC" in states and time.monotonic() - ship.started > self.timeout_s:
+        elif ("PROC" in states or meta_busy) and late:
             self._fail(ship, f"KV transfer not done within {self.timeout_s:g}s")
         elif "PROC" in states:
             return
         elif ship.cancelled:
-            self._close(ship)
-            self._emit("released", ship.room, ship.bytes_sent)
+            if not meta_busy:  # the metadata write still reads its slot
+                self._close(ship)
+                self._release(ship.room, ship.peer, ship.bytes_sent)
         elif ship.meta is not None:
             self._send_meta(ship)
-        elif time.monotonic() - ship.started > self.timeout_s:
+        elif late:
             self._fail(ship, f"prefill not finished within {self.timeout_s:g}s")
 
     def _send_meta(self, ship: Shipment) -> None:
@@ -176,12 +205,20 @@ class TransferWorker:
 
     def _fail(self, ship: Shipment, message: str) -> None:
         log.warning("room %d: %s", ship.room, message)
-        self._close(ship)
-        try:
-            self.transport.send_message(ship.peer, protocol.encode("error", ship.room, msg=message))
-        except Exception:
-            pass  # the peer may be the reason we failed
+        self._close(ship)  # releasing the handles cancels whatever was still in flight
+        for kind, fields in (("error", {"msg": message}), ("released", {})):
+            try:
+                self.transport.send_message(ship.peer, protocol.encode(kind, ship.room, **fields))
+            except Exception:
+                break  # the peer may be the reason we failed
         self._emit("failed", ship.room, message)
+
+    def _release(self, room: int, peer: str, bytes_sent: int) -> None:
+        try:
+            self.transport.send_message(peer, protocol.encode("released", room))
+        except Exception as exc:
+            log.info("could not tell %s that room %d is released: %s", peer, room, exc)
+        self._emit("released", room, bytes_sent)
 
     def _close(self, ship: Shipment) -> None:
         for h in ship.handles + ([ship.meta_handle] if ship.meta_handle else []):
@@ -204,9 +241,21 @@ class TransferWorker:
         self.call(post)
 
     def connect(self, peer: str, host: str, port: int, timeout_s: float) -> None:
+        """Handshake with the peer afresh (whatever an earlier incarnation left is dropped).
+        The first try is short: when the peer has restarted, NIXL sends our first metadata
+        request over its socket to the dead process and loses it (then closes that socket),
+        so a second try, with the rest of the time, goes through."""
+        def attempt(limit_s: float) -> None:
+            self.transport.disconnect(peer)
+            self.transport.connect(peer, host, port, timeout_s=limit_s, wait=True)
+
         def dial():
+            first = min(FIRST_DIAL_S, timeout_s / 2)
             try:
-                self.transport.connect(peer, host, port, timeout_s=timeout_s, wait=True)
+                try:
+                    attempt(first)
+                except TransferError:
+                    attempt(timeout_s - first)
                 self._emit("connected", peer, "")
             except Exception as exc:
                 self._emit("connect_failed", peer, str(exc))
