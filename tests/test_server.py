@@ -111,7 +111,7 @@ def test_cancel_mid_stream_frees_kv(llm_server):
     assert stream_generate(llm_server.grpc_url, "llm", "Hi", max_tokens=4).error is None
 
 
-def raw_request(url, tensors: dict) -> StreamResult:
+def raw_request(url, tensors: dict, model: str = "llm") -> StreamResult:
     """Send exactly these tensors (no defaults added)."""
     import tritonclient.grpc as grpcclient
     inputs = []
@@ -120,7 +120,7 @@ def raw_request(url, tensors: dict) -> StreamResult:
         t.set_data_from_numpy(array)
         inputs.append(t)
     result = StreamResult()
-    for error, outputs in stream_events(url, "llm", inputs, timeout_s=60):
+    for error, outputs in stream_events(url, model, inputs, timeout_s=60):
         if error:
             result.error = error
             break
