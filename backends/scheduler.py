@@ -205,13 +205,13 @@ class Scheduler:
                 log.warning("request %s could not be sampled: %s", req.id, errors[row])
                 self.finish(req, "error", error=f"sampling this request failed: {errors[row]}")
             else:
-                self._append_or_fail(req, token, logprobs[row] if logprobs else None, ids)
+                self.append_token(req, token, logprobs[row] if logprobs else None, ids)
 
-    def _append_or_fail(self, req: Request, token: int, logprob: float | None, ids: list[int]) -> None:
-        """append_token, with a failure (detokenizing, a stop check, a role's hand-off) ending
-        only this request."""
+    def append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
+        """Take a sampled token; a failure here (detokenizing, a stop check, a role's hand-off)
+        ends only this request."""
         try:
-            self.append_token(req, token, logprob, ids)
+            self._append_token(req, token, logprob, stop_ids)
         except Exception as exc:
             log.error("request %s failed after sampling: %s", req.id, traceback.format_exc())
             self.finish(req, "error", error=f"internal error: {exc}")
@@ -221,7 +221,7 @@ class Scheduler:
             return []
         return [req.params.end_id] if req.params.end_id is not None else self.eos_ids
 
-    def append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
+    def _append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
         req.output_ids.append(token)
         req.last_logprob = logprob
         if self.role.on_sampled(req):
