@@ -11,13 +11,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from backends.cores import parse_cores
+
 ROLES = ("colocated", "prefill", "decode")
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  "models", "SmolLM2-135M-Instruct")
-
-
-def _cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,12 @@ class EngineConfig:
     max_running_requests: int = field(default=64, metadata={"doc": "most requests in the running batch"})
     max_context: int = field(default=0, metadata={"doc": "longest prompt + output; 0 = the model's max_position_embeddings"})
     default_max_tokens: int = field(default=256, metadata={"doc": "max_tokens when a request gives none"})
-    threads: int = field(default=0, metadata={"doc": "torch CPU threads; 0 = all cores of this process"})
+    threads: int = field(default=0, metadata={"doc": "torch CPU threads; 0 = one per core of cpu_cores"})
+    cpu_cores: str = field(default="", metadata={
+        "doc": "cpu: the cores this engine runs on, e.g. 0-3,8; \"\" = every core the server may use"})
+    core_turns: str = field(default="auto", metadata={
+        "doc": "cpu: on = take turns at shared cores with the other engines of this host (one forward at a "
+               "time, prefill first); off; auto = on for prefill and decode, off for colocated"})
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -50,6 +53,9 @@ class EngineConfig:
         for name in ("page_size", "chunk_size", "max_running_requests", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.core_turns not in ("auto", "on", "off"):
+            raise ValueError(f"core_turns must be auto, on or off, got {self.core_turns!r}")
+        parse_cores(self.cpu_cores)
         if self.num_pages < 0 or self.threads < 0 or self.max_context < 0 or self.max_batch_tokens < 0:
             raise ValueError("num_pages, threads, max_context and max_batch_tokens must be >= 0")
 
@@ -102,8 +108,18 @@ class EngineConfig:
         return decodes + 128
 
     @property
+    def cores(self) -> list[int]:
+        return parse_cores(self.cpu_cores)
+
+    @property
     def num_threads(self) -> int:
-        return self.threads or _cpu_count()
+        return self.threads or len(self.cores)
+
+    @property
+    def takes_turns(self) -> bool:
+        if self.torch_device.type != "cpu":
+            return False
+        return self.core_turns == "on" or (self.core_turns == "auto" and self.role != "colocated")
 
 
 def typed_parameter(name: str, text: str, default):

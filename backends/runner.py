@@ -5,6 +5,7 @@ attention backend.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -12,6 +13,7 @@ from typing import Callable
 import torch
 
 from backends.config import EngineConfig
+from backends.cores import CoreTurns
 from backends.kv_cache import PagePool, allocate_kv_buffer
 from backends.model import load_model
 from backends.request import Request
@@ -43,6 +45,7 @@ class ModelRunner:
         # competed with the engine thread's on 2 cores (decode steps 20-40% slower, measured).
         self._step_thread: int | None = None
         if self.device.type == "cpu":
+            os.sched_setaffinity(0, cfg.cores)   # the process: every thread it starts inherits it
             torch.set_num_threads(1)
         self.model = load_model(cfg.model_path, self.device, self.dtype)
         mc = self.model.cfg
@@ -53,6 +56,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
         self.attn = create_backend(self.attention_backend, self.device)
         self.model.decoder = pick_decoder(self.model, self.attn)
+        self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
 
     def _num_pages(self) -> int:
         if self.cfg.num_pages:
@@ -82,5 +86,9 @@ class ModelRunner:
                                        self.cfg.page_size, self.device)
         plan = self.attn.plan(meta)
         tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
-        return self.model.forward(tensor(ids), tensor(positions), self.kv, self.attn, plan, tensor(rows),
-                                  after_layer)
+        if self.turns is None:
+            return self.model.forward(tensor(ids), tensor(positions), self.kv, self.attn, plan, tensor(rows),
+                                      after_layer)
+        with self.turns:
+            return self.model.forward(tensor(ids), tensor(positions), self.kv, self.attn, plan, tensor(rows),
+                                      after_layer)
