@@ -15,15 +15,11 @@ from typing import Callable
 
 from backends.config import EngineConfig
 from backends.detokenizer import IncrementalDetokenizer
-from backends.request import Request, RequestOutput, SamplingParams
+from backends.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from backends.runner import ModelRunner
 from backends.scheduler import ColocatedRole, Scheduler
 
 log = logging.getLogger("tandem.engine")
-
-
-class InvalidRequest(ValueError):
-    """Bad input from a client: reported to that client only."""
 
 
 def load_tokenizer(path: str):

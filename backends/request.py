@@ -11,11 +11,16 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from backends.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a client: reported to that client only."""
 
 
 @dataclass(frozen=True)

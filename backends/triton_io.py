@@ -13,8 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from backends.engine import InvalidRequest
-from backends.request import SamplingParams
+from backends.request import InvalidRequest, SamplingParams
 
 # tensor name -> (SamplingParams field, python type)
 SCALAR_INPUTS = {

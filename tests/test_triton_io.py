@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from backends.engine import InvalidRequest
+from backends.request import InvalidRequest
 from backends.triton_io import output_arrays, parse_request
 
 
