@@ -358,3 +358,22 @@ def test_early_layer_groups_land_before_the_last_layer(default_model, pipeline):
             assert [s for _, s in posted] == [(0, 30)] and posted[0][0] > last_layer
     finally:
         pair.close()
+
+
+def test_landed_requests_wait_for_room_in_the_running_batch(checkpoint, colocated, monkeypatch):
+    """KV that lands while decode runs max_running_requests waits with its pages; the running
+    batch never grows past the cap, and every output is exact."""
+    pair = Pair(checkpoint("llama"), engine_overrides={"max_running_requests": 2})
+    sizes = []
+    run = pair.decode.scheduler.runner.run
+    monkeypatch.setattr(pair.decode.scheduler.runner, "run",
+                        lambda *a: (sizes.append(len(pair.decode.scheduler.running)), run(*a))[1])
+    try:
+        batch = prompts(5)
+        expected = [token_ids(o) for o in collect(colocated, batch, PARAMS)]
+        results = pair.run(batch, PARAMS)
+        assert [token_ids(dec) for dec, _ in results] == expected
+        assert max(sizes) == 2
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()

@@ -12,6 +12,7 @@ in quarantine until the prefill side says `released` (or the timeout passes).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ class DecodeRole:
         self.peer_state = "new"        # new | connecting | ready | failed
         self.peer_error = ""
         self.prealloc: list[Request] = []
+        self.landed: collections.deque = collections.deque()  # (request, first token, logprob): KV here, no room yet
         self.transfer: dict[int, Request] = {}            # room -> request whose KV is on its way
         self.quarantine: dict[int, tuple[list[int], int, float]] = {}  # room -> (pages, slot, since)
         self.announced: set[int] = set()   # prealloc rooms the prefill side was told are queued
@@ -68,6 +70,7 @@ class DecodeRole:
             self._on_event(*event)
         if self.prealloc and self.peer_state in ("new", "failed"):
             self._dial()
+        self._join_landed()
         if self.peer_state == "ready":
             self._allocate()
         self._expire()
@@ -82,6 +85,7 @@ class DecodeRole:
     def on_abort(self, req: Request) -> None:
         if req in self.prealloc:
             self.prealloc.remove(req)
+        self.landed = collections.deque(entry for entry in self.landed if entry[0] is not req)
         if self.transfer.pop(req.room, None) is not None:
             self._hold(req)
             self._send("abort", req.room)
@@ -138,7 +142,8 @@ class DecodeRole:
     def _reserved(self) -> int:
         """KV that admitted requests will still claim for their decode reserve."""
         total = 0
-        held = list(self.transfer.values()) + self.scheduler.running + list(self.scheduler.waiting)
+        held = list(self.transfer.values()) + [entry[0] for entry in self.landed] + self.scheduler.running \
+            + list(self.scheduler.waiting)
         for req in held:
             left = min(req.params.max_tokens - len(req.output_ids), self.cfg.decode_reserve_tokens)
             total += max(0, self.pool.pages_for(req.num_tokens + max(left, 0)) - len(req.pages))
@@ -188,9 +193,17 @@ class DecodeRole:
                             f"expected room {req.room} ({len(req.prompt_ids)} tokens)")
             return
         req.num_computed = prompt_len
-        req.status = Status.RUNNING
-        self.scheduler.running.append(req)
-        self.scheduler.append_token(req, token, logprob, self.scheduler.stop_ids(req))
+        self.landed.append((req, token, logprob))
+        self._join_landed()
+
+    def _join_landed(self) -> None:
+        """Requests whose KV landed join the running batch while it has room
+        (max_running_requests); the others keep their pages and wait, in order."""
+        while self.landed and len(self.scheduler.running) < self.scheduler.cfg.max_running_requests:
+            req, token, logprob = self.landed.popleft()
+            req.status = Status.RUNNING
+            self.scheduler.running.append(req)
+            self.scheduler.append_token(req, token, logprob, self.scheduler.stop_ids(req))
 
     def _fail(self, req: Request, message: str) -> None:
         self.num_failed += 1
@@ -231,6 +244,6 @@ class DecodeRole:
             self._send("ping", 0)
 
     def stats(self) -> dict:
-        return {"prealloc": len(self.prealloc), "transferring": len(self.transfer),
+        return {"prealloc": len(self.prealloc), "transferring": len(self.transfer), "landed": len(self.landed),
                 "quarantined_pages": sum(len(p) for p, _, _ in self.quarantine.values()),
                 "transfer_failures": self.num_failed}
