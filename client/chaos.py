@@ -1,12 +1,13 @@
 """python -m client.chaos: mixed, concurrent, misbehaving clients against a Tandem model.
 
 N requests at once: good ones, ones whose client cancels (right after sending, before
-the first token, or after a random number of tokens), and malformed ones (empty prompt,
-max_tokens sent as FP32, bad sampling_parameters JSON, over-long prompt, negative
-max_tokens). Then checks:
+the first token, or after a random number of tokens), ones whose client drops its
+connection after a random number of tokens (closes the gRPC channel without cancelling,
+as a client that dies does), and malformed ones (empty prompt, max_tokens sent as FP32,
+bad sampling_parameters JSON, over-long prompt, negative max_tokens). Then checks:
   - every good request completed with exactly the text (and token ids) of the same
     prompt run alone first, greedy, against the same server;
-  - text a cancelled request received is a prefix of that reference;
+  - text a cancelled or dropped request received is a prefix of that reference;
   - every malformed request got an error that names the problem, and no tokens;
   - the KV pools of all engines on the server are full again, nothing runs or waits
     (tandem_kv_pages_free == tandem_kv_pages_total for every model label);
@@ -51,9 +52,9 @@ BAD_KINDS = {
 @dataclass
 class Job:
     index: int
-    kind: str                       # good | cancel_early | cancel_mid | bad:<BAD_KINDS key>
+    kind: str                       # good | cancel_early | cancel_mid | drop | bad:<BAD_KINDS key>
     prompt_index: int
-    cancel_after: int | None = None  # responses to read before cancelling (cancel_mid)
+    cancel_after: int | None = None  # responses to read before cancelling (cancel_mid, drop)
     cancel_delay: float | None = None  # seconds after sending to cancel (cancel_early)
 
 
@@ -94,8 +95,9 @@ def job_inputs(job: Job, max_tokens: int, long_words: int):
 
 
 def run_stream(url: str, model: str, inputs, cancel_after: int | None = None,
-               cancel_delay: float | None = None, timeout_s: float = 120) -> Outcome:
-    """One streamed request; the client cancels after `cancel_delay` s or `cancel_after` responses."""
+               cancel_delay: float | None = None, timeout_s: float = 120, drop: bool = False) -> Outcome:
+    """One streamed request; the client cancels after `cancel_delay` s or `cancel_after` responses
+    (with `drop`, it closes its connection instead of cancelling)."""
     import tritonclient.grpc as grpcclient
 
     events: queue.Queue = queue.Queue()
@@ -111,6 +113,10 @@ def run_stream(url: str, model: str, inputs, cancel_after: int | None = None,
         else:
             _drain(events, out, block=True, cancel_after=cancel_after, timeout_s=timeout_s)
     finally:
+        if drop and not out.finished:
+            # Closing the channel tears the stream down without a cancel message, as when the
+            # client process dies (tritonclient has no public call for it).
+            client._channel.close()
         # cancel_requests=True is the client's cancellation Triton passes to the model.
         client.stop_stream(cancel_requests=True)
         client.close()
@@ -144,13 +150,15 @@ def _drain(events: queue.Queue, out: Outcome, block: bool, cancel_after: int | N
 
 
 def plan(n: int, cancel_share: float, bad_share: float, max_tokens: int, seed: int,
-         bad_kinds: list[str] = list(BAD_KINDS)) -> list[Job]:
+         bad_kinds: list[str] = list(BAD_KINDS), drop_share: float = 0.0) -> list[Job]:
     """N jobs, shuffled: round(n*bad_share) malformed (kinds in turn), round(n*cancel_share)
-    cancelled (half right after sending, half mid-stream), the rest good."""
+    cancelled (half right after sending, half mid-stream), round(n*drop_share) dropped
+    mid-stream, the rest good."""
     rng = random.Random(seed)
-    n_bad, n_cancel = round(n * bad_share), round(n * cancel_share)
+    n_bad, n_cancel, n_drop = round(n * bad_share), round(n * cancel_share), round(n * drop_share)
     kinds = [f"bad:{k}" for k in bad_kinds * n][:n_bad]
     kinds += ["cancel_early" if i % 2 == 0 else "cancel_mid" for i in range(n_cancel)]
+    kinds += ["drop"] * n_drop
     kinds += ["good"] * (n - len(kinds))
     rng.shuffle(kinds)
     jobs = []
@@ -158,7 +166,7 @@ def plan(n: int, cancel_share: float, bad_share: float, max_tokens: int, seed: i
         job = Job(i, kind, rng.randrange(len(PROMPTS)))
         if kind == "cancel_early":
             job.cancel_delay = rng.choice([0.0, rng.uniform(0, 0.05)])
-        elif kind == "cancel_mid":
+        elif kind in ("cancel_mid", "drop"):
             job.cancel_after = rng.randint(1, max(1, max_tokens - 1))
         jobs.append(job)
     return jobs
@@ -176,8 +184,8 @@ def check_job(job: Job, out: Outcome, ref: StreamResult) -> str | None:
         if r.text != ref.text or r.token_ids != ref.token_ids:
             return f"text differs from the reference:\n      got {r.text!r}\n      ref {ref.text!r}"
         return None
-    if job.kind.startswith("cancel"):
-        if r.error and "cancel" not in r.error.lower():
+    if job.kind.startswith("cancel") or job.kind == "drop":
+        if r.error and "cancel" not in r.error.lower():  # a dropped stream ends CANCELLED too
             return f"error: {r.error}"
         if not ref.text.startswith(r.text):
             return f"partial text is not a prefix of the reference: {r.text!r}"
@@ -238,7 +246,8 @@ def run_jobs(args, jobs: list[Job]) -> list[Outcome]:
     def one(job: Job) -> Outcome:
         inputs = job_inputs(job, args.max_tokens, args.long_prompt_words)
         try:
-            return run_stream(args.url, args.model, inputs, job.cancel_after, job.cancel_delay, args.timeout)
+            return run_stream(args.url, args.model, inputs, job.cancel_after, job.cancel_delay, args.timeout,
+                              drop=job.kind == "drop")
         except Exception as exc:  # a transport failure is a finding, not a crash of the tool
             return Outcome(result=StreamResult(error=f"client: {exc}"))
     with ThreadPoolExecutor(max_workers=args.concurrency or len(jobs)) as pool:
@@ -260,8 +269,8 @@ def report(args, jobs, outcomes, refs, idle, gauges, ready, after) -> list[str]:
     for kind in sorted(counts):
         ok, bad = counts[kind]
         print(f"  {kind:26s} {ok}/{ok + bad} ok")
-    early = [o for j, o in zip(jobs, outcomes) if j.kind.startswith("cancel")]
-    print(f"  cancelled: {sum(o.responses == 0 for o in early)} before the first token, "
+    early = [o for j, o in zip(jobs, outcomes) if j.kind.startswith("cancel") or j.kind == "drop"]
+    print(f"  cancelled or dropped: {sum(o.responses == 0 for o in early)} before the first token, "
           f"{sum(o.responses > 0 and not o.finished for o in early)} mid-stream, "
           f"{sum(o.finished for o in early)} finished before the cancel reached them")
     for model, g in sorted(gauges.items()):
@@ -292,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=0, help="clients at once (default: all)")
     ap.add_argument("--cancel-share", type=float, default=0.25, help="default %(default)s")
     ap.add_argument("--bad-share", type=float, default=0.25, help="default %(default)s")
+    ap.add_argument("--drop-share", type=float, default=0.0,
+                    help="clients that close their connection mid-stream (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=32, help="default %(default)s")
     ap.add_argument("--long-prompt-words", type=int, default=40000,
                     help="words in the over-long prompt, beyond any context (default %(default)s)")
@@ -313,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(bad_kinds) - set(BAD_KINDS)
     if unknown:
         build_parser().error(f"unknown --bad-kinds {sorted(unknown)}; known: {list(BAD_KINDS)}")
-    jobs = plan(args.requests, args.cancel_share, args.bad_share, args.max_tokens, args.seed, bad_kinds)
+    jobs = plan(args.requests, args.cancel_share, args.bad_share, args.max_tokens, args.seed, bad_kinds,
+                args.drop_share)
     print(f"references: {len(PROMPTS)} prompts alone ...", file=sys.stderr, flush=True)
     refs = references(args)
     print(f"chaos: {len(jobs)} requests at once ...", file=sys.stderr, flush=True)

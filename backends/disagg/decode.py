@@ -67,7 +67,10 @@ class DecodeRole:
 
     def advance(self) -> None:
         for event in self.worker.take_events():
-            self._on_event(*event)
+            try:
+                self._on_event(*event)
+            except Exception:  # one bad message must not lose the events after it
+                log.exception("handling %s failed", event[0])
         if self.prealloc and self.peer_state in ("new", "failed"):
             self._dial()
         self._join_landed()

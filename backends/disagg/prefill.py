@@ -79,7 +79,10 @@ class PrefillRole:
 
     def advance(self) -> None:
         for event in self.worker.take_events():
-            self._on_event(*event)
+            try:
+                self._on_event(*event)
+            except Exception:  # one bad message must not lose the events after it
+                log.exception("handling %s failed", event[0])
         for room in [r for r in self.bootstrap if r in self.dests]:
             self._start(self.bootstrap.pop(room))
         for drained, pages in [d for d in self.draining if d[0].is_set()]:

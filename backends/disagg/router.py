@@ -3,14 +3,15 @@
 Per request it picks a bootstrap room, starts the request on `decode` and on
 `prefill` (each child's stream read in a worker thread, so the model's own
 thread never blocks), forwards prefill's first token the moment it is sampled,
-then decode's stream. Whichever child fails first ends the client stream with
-its error and aborts the other; a client that cancels aborts both, which frees
-their KV. Children are local models (BLS) or, for two hosts, a remote
-tritonserver over gRPC (`prefill_url` / `decode_url`).
+then each of decode's responses as it arrives. Whichever child fails first ends
+the client stream with its error and aborts the other; a client that cancels
+aborts both, which frees their KV. Children are local models (BLS) or, for two
+hosts, a remote tritonserver over gRPC (`prefill_url` / `decode_url`).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import faulthandler
 import logging
 import random
 import threading
@@ -27,29 +28,67 @@ log = logging.getLogger("tandem.router")
 CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"]
 
 
+class Retired:
+    """BLS response iterators whose stream has ended, kept until the stub has let go of them.
+
+    The stub (Triton 2.51) keeps every decoupled BLS response iterator in a map until a
+    background thread has sent the server its cleanup message, queued by the last
+    response. When Python has dropped its own reference by then, that thread destroys the
+    iterator, and with it every response's numpy arrays, without holding the GIL: pymalloc
+    and reference counts get corrupted ("Reference count error detected ... dtype 17 (O)",
+    "malloc(): unaligned fastbin chunk detected") and the stub crashes later. That thread
+    sends its messages in order, is_cancelled() queries included, so an iterator retired
+    before a query that went out and came back is no longer in the map: dropping it then
+    frees it here, under the GIL."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.iterators: list = []
+
+    def add(self, iterator) -> None:
+        with self.lock:
+            self.iterators.append(iterator)
+
+    def take(self) -> list:
+        with self.lock:
+            taken, self.iterators = self.iterators, []
+        return taken
+
+    def put_back(self, iterators: list) -> None:
+        with self.lock:
+            self.iterators.extend(iterators)
+
+
 class LocalChild:
     """A model in the same tritonserver, called with BLS."""
 
-    def __init__(self, pb, model: str):
-        self.pb, self.model = pb, model
+    def __init__(self, pb, model: str, retired: Retired):
+        self.pb, self.model, self.retired = pb, model, retired
 
     def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, dict]]:
+        """(error, outputs) per response, until the child's final one."""
         request = self.pb.InferenceRequest(
             model_name=self.model, requested_output_names=CHILD_OUTPUTS,
             inputs=[self.pb.Tensor(name, array) for name, array in tensors.items()])
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                yield response.error().message(), {}
-                return
-            yield None, {t.name(): t.as_numpy() for t in response.output_tensors()}
+        responses = request.exec(decoupled=True)
+        try:
+            for response in responses:
+                if response.has_error():
+                    yield response.error().message(), {}
+                else:
+                    yield None, {t.name(): t.as_numpy() for t in response.output_tensors()}
+        finally:
+            self.retired.add(responses)
 
     def cancel(self, room: int) -> None:
         request = self.pb.InferenceRequest(
             model_name=self.model, requested_output_names=[],
             inputs=[self.pb.Tensor("text_input", np.array([b"-"], dtype=np.object_)),
                     self.pb.Tensor("cancel_room", np.array([room], dtype=np.uint64))])
-        for _ in request.exec(decoupled=True):
+        responses = request.exec(decoupled=True)
+        for _ in responses:
             pass
+        self.retired.add(responses)
 
 
 class RemoteChild:
@@ -72,14 +111,18 @@ class RemoteChild:
 
 
 class Relay:
-    """Merges the two children's streams into the client's, each token once."""
+    """Merges the two children's streams into the client's, each token once: decode's
+    responses carry its output tokens from the first one on, and the ones prefill
+    already forwarded are cut by their position."""
 
     def __init__(self, room: int, client: ResponseStream):
         self.room, self.client = room, client
         self.lock = threading.Lock()
         self.forwarded = 0      # output tokens already sent to the client
+        self.prefill_text = ""  # the text of the tokens prefill forwarded
+        self.echoed = 0         # how much of it decode has sent again
         self.decoded = 0        # output tokens decode has sent
-        self.done = False
+        self.done = False       # the final response is sent (or no more may be)
         self.cancelled = False
 
     def from_prefill(self, outputs: dict) -> None:
@@ -87,28 +130,38 @@ class Relay:
         with self.lock:
             if self.done or self.forwarded or not ids or not text:
                 return  # decode got there first, or the first token is not a whole character yet
-            self.forwarded = len(ids)
+            self.forwarded, self.prefill_text = len(ids), text
             self._send(RequestOutput(str(self.room), text, ids, num_prompt_tokens=_int(outputs, "num_input_tokens"),
                                      num_output_tokens=len(ids)))
 
-    def from_decode(self, outputs: dict, final: bool) -> None:
+    def from_decode(self, outputs: dict) -> None:
+        """Forwards one decode response at once; the one with a finish reason is the last."""
         ids, text = _ids(outputs), _text(outputs)
+        reason = _str(outputs, "finish_reason")
+        final = bool(reason)
         with self.lock:
             start, self.decoded = self.decoded, self.decoded + len(ids)
             if self.done:
                 return
-            if start < self.forwarded:  # prefill already streamed these tokens (same text, same detokenizer)
-                if self.decoded > self.forwarded:
-                    log.warning("room %d: decode output overlaps prefill's first token", self.room)
-                ids, text = ids[self.forwarded - start:], ""
+            if start < self.forwarded:  # prefill already streamed these tokens: cut them and their text
+                ids = ids[self.forwarded - start:]
+                text = self._cut_prefill_text(text)
             if not (ids or text or final):
                 return
             self.forwarded = max(self.forwarded, self.decoded)
             self.done = final
-            self._send(RequestOutput(str(self.room), text, ids, finished=final,
-                                     finish_reason=_str(outputs, "finish_reason") or None,
+            self._send(RequestOutput(str(self.room), text, ids, finished=final, finish_reason=reason or None,
                                      num_prompt_tokens=_int(outputs, "num_input_tokens"),
                                      num_output_tokens=_int(outputs, "num_output_tokens")))
+
+    def _cut_prefill_text(self, text: str) -> str:
+        """Decode's text past what prefill already sent (both detokenize the same tokens alike)."""
+        left = self.prefill_text[self.echoed:]
+        cut = min(len(left), len(text))
+        if text[:cut] != left[:cut]:
+            log.warning("room %d: decode's text %r differs from prefill's %r", self.room, text, left)
+        self.echoed += cut
+        return text[cut:]
 
     def fail(self, message: str) -> bool:
         with self.lock:
@@ -117,6 +170,11 @@ class Relay:
             self.done = True
             self._send(RequestOutput(str(self.room), finished=True, finish_reason="error", error=message))
             return True
+
+    def shut(self) -> None:
+        """Sends nothing more (the model is being finalized)."""
+        with self.lock:
+            self.done = True
 
     def _send(self, out: RequestOutput) -> None:
         self.client(out)
@@ -147,8 +205,11 @@ class RouterModel(StreamingModel):
 
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # Triton does not restart a stub that crashes: leave every thread's Python stack in its log.
+        faulthandler.enable()
         params = model_parameters(args)
         get = lambda key, default: params.get(key, "").strip() or default
+        self.retired = Retired()
         self.prefill = self._child(get("prefill_url", ""), get("prefill_model", "prefill"))
         self.decode = self._child(get("decode_url", ""), get("decode_model", "decode"))
         self.default_max_tokens = int(get("default_max_tokens", "256"))
@@ -160,11 +221,13 @@ class RouterModel(StreamingModel):
         self._start_watcher()
 
     def _child(self, url: str, model: str):
-        return RemoteChild(url, model) if url else LocalChild(self.pb, model)
+        return RemoteChild(url, model) if url else LocalChild(self.pb, model, self.retired)
 
     def _start(self, request) -> None:
         sender = request.get_response_sender()
-        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        # Copies: the numbers' arrays are views of the request's shared memory, which the
+        # server frees once execute returns, before the worker threads read them.
+        inputs = {t.name(): t.as_numpy().copy() for t in request.inputs()}
         try:
             parsed = parse_request(inputs.get, self.default_max_tokens)
         except InvalidRequest as exc:
@@ -182,24 +245,22 @@ class RouterModel(StreamingModel):
         self.threads.submit(self._run, relay, self.prefill, child_inputs, False)
 
     def _run(self, relay: Relay, child, inputs: dict, is_decode: bool) -> None:
-        name = "decode" if is_decode else "prefill"
+        """Reads one child's stream to its end (see Retired), whatever the relay does with it."""
+        name, other = ("decode", self.prefill) if is_decode else ("prefill", self.decode)
         try:
-            last = None
             for error, outputs in child.stream(inputs):
                 if error:
-                    self._child_failed(relay, f"{name}: {error}", other=self.prefill if is_decode else self.decode)
-                    return
-                if is_decode:
-                    if last is not None:
-                        relay.from_decode(last, final=False)
-                    last = outputs
+                    self._child_failed(relay, f"{name}: {error}", other)
+                elif is_decode:
+                    relay.from_decode(outputs)
                 else:
                     relay.from_prefill(outputs)
-            if is_decode:
-                relay.from_decode(last or {}, final=True)
+            if is_decode:  # a no-op after decode's last response (the relay is done)
+                self._child_failed(relay, "decode ended its stream without a finish reason", other)
         except Exception as exc:
             log.exception("room %d: %s stream failed", relay.room, name)
-            self._child_failed(relay, f"{name} failed: {exc}", other=self.prefill if is_decode else self.decode)
+            relay.fail(f"{name} failed: {exc}")
+            self._abort(relay.room)
         finally:
             if is_decode:
                 with self.lock:
@@ -226,11 +287,23 @@ class RouterModel(StreamingModel):
 
     def poll(self) -> None:
         self.latencies.flush()
+        retired = self.retired.take()
+        asked = False
         with self.lock:
             relays = list(self.relays.values())
         for relay in relays:
             if relay.client.cancelled():
                 self._abort(relay.room)
+            elif not relay.done:  # its stream was open all along, so the query reached the server
+                asked = True
+        if not asked:
+            self.retired.put_back(retired)  # until a query goes out after them
 
     def close(self) -> None:
+        # Nothing may call into the stub after finalize: relays send nothing more, and
+        # children not started yet never start (running ones end with their child).
+        with self.lock:
+            relays = list(self.relays.values())
+        for relay in relays:
+            relay.shut()
         self.threads.shutdown(wait=False, cancel_futures=True)
