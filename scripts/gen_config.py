@@ -80,10 +80,6 @@ def engine_parameters(role: str) -> dict[str, str]:
             params[f.name] = str(f.default)
         if role == "decode":
             params["nixl_port"] = "0"
-        if role == "prefill":
-            # no decodes to interleave with, and steps of at least pipeline_min_tokens let the
-            # KV writes go layer group by layer group
-            params["max_batch_tokens"] = "512"
     return params
 
 
