@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from backends.config import EngineConfig  # noqa: E402
 from backends.disagg.config import DisaggConfig  # noqa: E402
+from backends.disagg.router import PARAMETERS as ROUTER_DEFAULTS  # noqa: E402
 
 INPUTS = [  # name, type, dims, optional
     ("text_input", "TYPE_STRING", "[ 1 ]", False),
@@ -35,14 +36,7 @@ ROOM_INPUTS = [  # set by the router only
     ("bootstrap_room", "TYPE_UINT64", "[ 1 ]", True),
     ("cancel_room", "TYPE_UINT64", "[ 1 ]", True),
 ]
-ROUTER_PARAMETERS = {
-    "prefill_url": "",      # "" = the prefill model of this server (BLS); host:port = a remote tritonserver (gRPC)
-    "prefill_model": "prefill",
-    "decode_url": "",
-    "decode_model": "decode",
-    "default_max_tokens": "256",
-    "max_threads": "512",
-}
+ROUTER_PARAMETERS = {key: str(value) for key, value in ROUTER_DEFAULTS.items()}
 OUTPUTS = [
     ("text_output", "TYPE_STRING", "[ 1 ]"),
     ("output_ids", "TYPE_INT32", "[ -1 ]"),

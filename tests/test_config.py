@@ -83,3 +83,15 @@ def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model
     server.stop()
     with open(server.log_path) as f:
         assert message in f.read(), failed.value
+
+
+@pytest.mark.server
+def test_router_refuses_an_unknown_parameter_at_load(tmp_path):
+    from tests.server import TritonServer
+    server = TritonServer(str(tmp_path), models=["router"], parameters={"router": {"prefil_url": "x:1"}},
+                          ready_timeout_s=120)
+    with pytest.raises(RuntimeError):
+        server.start()
+    server.stop()
+    with open(server.log_path) as f:
+        assert "router: unknown parameter 'prefil_url' in config.pbtxt" in f.read()

@@ -19,12 +19,21 @@ from typing import Iterator
 
 import numpy as np
 
-from backends.request import RequestOutput
+from backends.config import refuse_unknown, typed_parameter
+from backends.request import InvalidRequest, RequestOutput
 from backends.triton_adapter import LatencyMetrics, ResponseStream, StreamingModel, model_parameters
 from backends.triton_io import OUTPUTS, parse_request
-from backends.engine import InvalidRequest
 
 log = logging.getLogger("tandem.router")
+# The router's config.pbtxt parameters and their defaults.
+PARAMETERS = {
+    "prefill_url": "",      # "" = the prefill model of this server (BLS); host:port = a remote tritonserver (gRPC)
+    "prefill_model": "prefill",
+    "decode_url": "",
+    "decode_model": "decode",
+    "default_max_tokens": 256,
+    "max_threads": 512,
+}
 CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"]
 
 
@@ -208,13 +217,14 @@ class RouterModel(StreamingModel):
         # Triton does not restart a stub that crashes: leave every thread's Python stack in its log.
         faulthandler.enable()
         params = model_parameters(args)
-        get = lambda key, default: params.get(key, "").strip() or default
+        refuse_unknown(params, PARAMETERS, args.get("model_name", "router"))
+        get = lambda key: typed_parameter(key, params[key], PARAMETERS[key]) if params.get(key, "").strip() \
+            else PARAMETERS[key]
         self.retired = Retired()
-        self.prefill = self._child(get("prefill_url", ""), get("prefill_model", "prefill"))
-        self.decode = self._child(get("decode_url", ""), get("decode_model", "decode"))
-        self.default_max_tokens = int(get("default_max_tokens", "256"))
-        self.threads = concurrent.futures.ThreadPoolExecutor(int(get("max_threads", "512")),
-                                                             thread_name_prefix="tandem-router")
+        self.prefill = self._child(get("prefill_url"), get("prefill_model"))
+        self.decode = self._child(get("decode_url"), get("decode_model"))
+        self.default_max_tokens = get("default_max_tokens")
+        self.threads = concurrent.futures.ThreadPoolExecutor(get("max_threads"), thread_name_prefix="tandem-router")
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "router"))
         self.relays: dict[int, Relay] = {}
         self.lock = threading.Lock()
