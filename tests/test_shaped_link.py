@@ -15,7 +15,7 @@ import pytest
 
 from client import bench_disagg
 
-LENGTH = 1024  # 5 layer groups (30 layers): the adaptive size for prompts of 768 tokens or more
+LENGTH = 1024  # 6 writes (30 layers): one layer, then groups of 7, the adaptive size from 768 tokens
 # A working pipeline lands near 0.68-0.82 here (the writes' TCP copies share the two cores with
 # the prefill's compute), one that writes only after the forward near 1.0; the transfer left
 # after the forward (asserted below too) separates them more sharply.
