@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from backends.cores import parse_cores
+from backends.parameters import typed_parameter
 
 ROLES = ("colocated", "prefill", "decode")
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -124,28 +125,6 @@ class EngineConfig:
         if self.torch_device.type != "cpu":
             return False
         return self.core_turns == "on" or (self.core_turns == "auto" and self.role != "colocated")
-
-
-def typed_parameter(name: str, text: str, default):
-    """A config.pbtxt string as the type of its default; a bad value names the parameter."""
-    text = text.strip()
-    if isinstance(default, bool):
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"parameter {name!r} must be true or false, got {text!r}")
-        return text.lower() == "true"
-    try:
-        return type(default)(text)
-    except ValueError:
-        raise ValueError(f"parameter {name!r} must be {'an' if type(default) is int else 'a'} "
-                         f"{type(default).__name__}, got {text!r}") from None
-
-
-def refuse_unknown(params: dict[str, str], known, model: str) -> None:
-    """A misspelt knob would silently keep its default: refuse it at load, by name."""
-    unknown = sorted(set(params) - set(known))
-    if unknown:
-        raise ValueError(f"{model}: unknown parameter{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(map(repr, unknown))} in config.pbtxt (known: {', '.join(sorted(known))})")
 
 
 def parameter_table() -> str:

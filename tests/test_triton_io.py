@@ -125,3 +125,12 @@ def test_send_pool_overlaps_a_steps_sends_and_drain_waits_for_them():
     pool.drain()
     assert done[-1] == "c" and pool.pending == []
     pool.close()
+
+
+def test_the_router_loads_neither_torch_nor_the_engine():
+    """The router has no engine: its stub must not pay for torch and the model code."""
+    import subprocess
+    import sys
+    code = "import sys, backends.disagg.router; print(sorted(m for m in ('torch', 'backends.engine') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -19,9 +19,9 @@ from typing import Iterator
 
 import numpy as np
 
-from backends.config import refuse_unknown, typed_parameter
+from backends.parameters import refuse_unknown, typed_parameter
 from backends.request import InvalidRequest, RequestOutput
-from backends.triton_adapter import LatencyMetrics, ResponseStream, StreamingModel, model_parameters
+from backends.triton_stream import LatencyMetrics, ResponseStream, StreamingModel, model_parameters
 from backends.triton_io import OUTPUTS, parse_request
 
 log = logging.getLogger("tandem.router")

@@ -1,0 +1,169 @@
+"""What every Tandem model.py shares, engine or not (the router has no engine): the sink
+that turns engine outputs into Triton responses, the model skeleton with its cancel
+watcher, and the latency histograms. Imports neither Triton nor torch; `pb` is the
+`triton_python_backend_utils` module, passed in by model.py.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+
+from backends.request import RequestOutput
+from backends.triton_io import PER_TOKEN_OUTPUTS, GenerateRequest, output_arrays
+
+log = logging.getLogger("tandem.adapter")
+# Every is_cancelled() is a round trip to the server process (~0.2 ms of both cores' time
+# on this 2-core CPU), once per stream per poll: 0.1 s keeps that near 10 per stream per
+# second and stops a cancelled stream within a few tokens.
+CANCEL_POLL_S = 0.1
+def model_parameters(args: dict) -> dict[str, str]:
+    config = json.loads(args["model_config"])
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+class ResponseStream:
+    """The sink of one request: turns engine outputs into Triton responses."""
+
+    def __init__(self, pb, sender, req: GenerateRequest, wanted: tuple[str, ...], on_gone,
+                 latencies: "LatencyMetrics | None" = None):
+        self.pb, self.sender, self.req, self.wanted = pb, sender, req, wanted
+        # Each response tensor costs the stub a shared-memory copy and the server a protobuf
+        # field, so the constant ones ride only on the first and last response of a stream.
+        self.wanted_mid = tuple(name for name in wanted if name in PER_TOKEN_OUTPUTS)
+        self.responses = 0
+        self.on_gone = on_gone
+        self.latencies = latencies
+        self.started, self.last_token_at = time.monotonic(), None
+        # A stream carries new text only, as TensorRT-LLM's and vLLM's backends do (a client
+        # that joins the pieces must not get the prompt): exclude_input_in_output=false is
+        # honoured for one-response requests only.
+        self.prefix = "" if req.exclude_input or req.stream else req.prompt
+        self.text, self.ids = [], []
+        # Triton frees the response factory with the final response; asking it
+        # is_cancelled() after that crashes the server, so both hold this lock.
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def __call__(self, out: RequestOutput) -> None:
+        try:
+            with self.lock:
+                if self.closed:
+                    return
+                self.closed = out.finished
+                self._send(out)
+        except Exception as exc:  # the client is gone: stop generating for it
+            log.info("stream of %s closed: %s", out.request_id, exc)
+            self.on_gone(out.request_id)
+
+    def cancelled(self) -> bool:
+        """Whether the client cancelled (or its stream cannot be asked any more)."""
+        try:
+            with self.lock:
+                return not self.closed and self.sender.is_cancelled()
+        except Exception:
+            return True
+
+    def _time(self, out: RequestOutput) -> None:
+        if not out.token_ids or self.latencies is None:
+            return
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.latencies.record("ttft", now - self.started)
+        else:
+            self.latencies.record("itl", (now - self.last_token_at) / len(out.token_ids))
+        self.last_token_at = now
+
+    def _send(self, out: RequestOutput) -> None:
+        self._time(out)
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
+        if out.error:
+            self.sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(out.error)),
+                             flags=final)
+            return
+        if not self.req.stream:
+            self.text.append(out.text)
+            self.ids.extend(out.token_ids)
+            if not out.finished:
+                return
+            out = RequestOutput(out.request_id, "".join(self.text), self.ids, True, out.finish_reason,
+                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens)
+        text, self.prefix = self.prefix + out.text, ""
+        wanted = self.wanted if self.responses == 0 or out.finished else self.wanted_mid
+        self.responses += 1
+        arrays = output_arrays(text, out.token_ids, out.finish_reason, out.num_prompt_tokens,
+                               out.num_output_tokens, wanted)
+        tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
+        self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
+
+
+class StreamingModel:
+    """What every Tandem model.py shares: requests started one by one in
+    `execute` (decoupled: responses go out from other threads), a watcher
+    thread that polls cancellation and publishes metrics, and a finalize after
+    which nothing calls into the stub any more."""
+
+    pb = None  # the triton_python_backend_utils module, set by model.py
+
+    def execute(self, requests):
+        for request in requests:
+            self._start(request)
+        return None
+
+    def _start(self, request) -> None:
+        raise NotImplementedError
+
+    def _reject(self, sender, message: str) -> None:
+        response = self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(message))
+        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _start_watcher(self) -> None:
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="tandem-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._closing.wait(CANCEL_POLL_S):
+            try:
+                self.poll()
+            except Exception:
+                log.exception("watcher poll failed")
+
+    def poll(self) -> None:
+        """Abort what clients cancelled; publish metrics (every CANCEL_POLL_S)."""
+
+    def close(self) -> None:
+        pass
+
+    def finalize(self) -> None:
+        # No call into the stub (metrics, is_cancelled, send) may outlive finalize:
+        # one left waiting on a server that is gone keeps the stub process alive.
+        self._closing.set()
+        self._watcher.join(timeout=5)
+        self.close()
+
+
+class LatencyMetrics:
+    """TTFT and ITL histograms. Values are queued by the sending thread and
+    observed by the watcher, so the engine thread never waits on the metric IPC."""
+
+    BUCKETS = {"ttft": [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30],
+               "itl": [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1]}
+    DOCS = {"ttft": "time to first token, seconds", "itl": "inter-token latency, seconds"}
+
+    def __init__(self, pb, model: str):
+        self.families = {k: pb.MetricFamily(name=f"tandem_{k}_seconds", description=self.DOCS[k],
+                                            kind=pb.MetricFamily.HISTOGRAM) for k in self.DOCS}
+        self.histograms = {k: f.Metric(labels={"model": model}, buckets=self.BUCKETS[k])
+                           for k, f in self.families.items()}
+        self.pending: collections.deque = collections.deque()
+
+    def record(self, kind: str, seconds: float) -> None:
+        self.pending.append((kind, seconds))
+
+    def flush(self) -> None:
+        while self.pending:
+            kind, seconds = self.pending.popleft()
+            self.histograms[kind].observe(seconds)
