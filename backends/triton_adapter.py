@@ -186,6 +186,11 @@ class EngineMetrics:
         self.gauges = {key: family.Metric(labels={"model": model}) for key, family in self.families.items()}
         self.values: dict[str, float] = {}
 
+    def release(self) -> None:
+        """Frees the gauges (each one before its family); nothing is set after this."""
+        self.gauges.clear()
+        self.families.clear()
+
     def update(self, stats: dict) -> None:
         """Sets the gauges whose value changed (each set is a round trip to the server)."""
         for key, gauge in self.gauges.items():

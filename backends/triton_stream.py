@@ -143,6 +143,11 @@ class StreamingModel:
         self._closing.set()
         self._watcher.join(timeout=5)
         self.close()
+        # A metric freed after the stub has shut down its IPC crashes the stub at exit
+        # ("segfault at 60" in triton_python_backend_stub, Triton 2.51): free them now.
+        for metrics in (getattr(self, "metrics", None), getattr(self, "latencies", None)):
+            if metrics is not None:
+                metrics.release()
 
 
 class LatencyMetrics:
@@ -159,6 +164,11 @@ class LatencyMetrics:
         self.histograms = {k: f.Metric(labels={"model": model}, buckets=self.BUCKETS[k])
                            for k, f in self.families.items()}
         self.pending: collections.deque = collections.deque()
+
+    def release(self) -> None:
+        """Frees the metrics (each one before its family); nothing is observed after this."""
+        self.histograms.clear()
+        self.families.clear()
 
     def record(self, kind: str, seconds: float) -> None:
         self.pending.append((kind, seconds))

@@ -2,6 +2,7 @@
 checkpoint against transformers, cancellation, bad input."""
 import concurrent.futures
 import functools
+import os
 import queue
 import time
 
@@ -261,3 +262,38 @@ def test_bad_values_are_refused_at_the_door_while_neighbours_stream(llm_server, 
     assert bad.error is not None and message in bad.error, bad.error
     assert [r.text for r in results] == expected
     assert llm_server.wait_kv_full("llm")
+
+
+def _segfaulted(pids: set[int]) -> set[int] | None:
+    """Which of these processes the kernel logged a segfault for (None: dmesg not readable)."""
+    import re
+    import subprocess
+    out = subprocess.run(["dmesg"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return {int(m.group(1)) for m in re.finditer(r"\[(\d+)\]: segfault", out.stdout)} & pids
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def test_stubs_exit_without_a_segfault(default_model, tmp_path):
+    """Metrics freed after the stub's IPC is down crash the stub at exit (Triton 2.51):
+    finalize frees them first, so a server that served and stopped leaves no segfault."""
+    from tests.server import TritonServer
+    if _segfaulted(set()) is None:
+        pytest.skip("dmesg is not readable here")
+    engine = {"max_context": "1024", "num_pages": "256"}
+    with TritonServer(str(tmp_path), models=["llm", "prefill", "decode", "router"],
+                      parameters={m: engine for m in ("llm", "prefill", "decode")}) as server:
+        for model in ("llm", "router", "router"):
+            assert stream_generate(server.grpc_url, model, "Hi", max_tokens=4).error is None
+        time.sleep(0.5)  # the watchers have set the gauges and observed the latencies
+        pids = {pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _group_of(pid) == server.proc.pid}
+    assert len(pids) >= 5   # the server and its four stubs
+    time.sleep(1)
+    assert _segfaulted(pids) == set()
