@@ -13,14 +13,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 
 from backends.config import EngineConfig
 from backends.parameters import refuse_unknown
 from backends.engine import Engine, InvalidRequest
 from backends.request import RequestOutput
 from backends.triton_io import OUTPUTS, control_room, parse_request
-from backends.triton_stream import LatencyMetrics, ResponseStream, StreamingModel, model_parameters
+from backends.triton_stream import (LatencyMetrics, ResponseStream, StreamingModel, model_parameters, process_alive,
+                                    request_parent)
 
 log = logging.getLogger("tandem.adapter")
 # A send waits 0.5 ms p50 for the server process to take the response, nearly all of it the
@@ -29,6 +32,8 @@ log = logging.getLogger("tandem.adapter")
 # step went 30.8 / 29.1 -> 29.5 / 27.8 ms (two interleaved pairs; 2 and 4 threads alike,
 # 8 and 16 no better).
 SEND_THREADS = 4
+# How often a step's drain checks whether the send it waits for goes to a reader that died.
+ORPHAN_WAIT_S = 0.1
 
 
 def room_request_id(room: int) -> str:
@@ -69,7 +74,8 @@ class EngineModel(StreamingModel):
         self.sends = SendPool(SEND_THREADS)
         self.engine = self.create_engine()
         self.engine.start()
-        self.streams: dict[str, tuple[object, ResponseStream]] = {}
+        # request id -> (its stream, the process reading it when the request came over BLS)
+        self.streams: dict[str, tuple[ResponseStream, str | None]] = {}
         self.lock = threading.Lock()
         self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "llm"))
@@ -111,7 +117,7 @@ class EngineModel(StreamingModel):
             self._reject(sender, f"internal error: {exc}")
             return
         with self.lock:
-            self.streams[engine_request.id] = (request, stream)
+            self.streams[engine_request.id] = (stream, request_parent(request))
         self.engine.scheduler.submit(engine_request)
 
     def _sink(self, stream: ResponseStream):
@@ -120,13 +126,18 @@ class EngineModel(StreamingModel):
             if out.finished:
                 with self.lock:
                     self.streams.pop(out.request_id, None)
-        return lambda out: self.sends.submit(send, out)
+        return lambda out: self.sends.submit(send, out, stream=stream)
 
     def poll(self) -> None:
         with self.lock:
             streams = list(self.streams.items())
-        for request_id, (_, stream) in streams:
-            if stream.cancelled():
+        alive: dict[str, bool] = {}
+        for request_id, (stream, parent) in streams:
+            if parent is not None and not alive.setdefault(parent, process_alive(parent)):
+                log.warning("%s: the process that sent it over BLS is gone; aborting", request_id)
+                stream.orphan()
+                self.engine.abort(request_id)
+            elif stream.cancelled():
                 self.engine.abort(request_id)
         self.metrics.update(self.engine.stats())
         self.latencies.flush()
@@ -146,23 +157,56 @@ class SendPool:
     8 streams 292 -> 305 tok/s, 16 streams 389 -> 406, medians; TTFT p50 at 8 277 -> 242 ms).
     Outputs handed out between a forward and its process (an abort's or a failed step's
     final response) may overtake a stream's pending token; ResponseStream drops what comes
-    after its final response."""
+    after its final response.
+
+    A send to a BLS parent that died never returns (Triton 2.51): drain stops waiting for
+    an orphaned stream's send and a new thread takes the stuck one's place. The threads are
+    daemons, so a stuck one does not hold the stub at exit."""
 
     def __init__(self, threads: int):
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tandem-send")
-        self.pending: list[Future] = []
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [self._add_thread() for _ in range(threads)]
+        self.pending: list[tuple[Future, ResponseStream | None]] = []
 
-    def submit(self, fn, *args) -> None:
-        self.pending.append(self.pool.submit(fn, *args))
+    def _add_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._work, name="tandem-send", daemon=True)
+        thread.start()
+        return thread
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def submit(self, fn, *args, stream: ResponseStream | None = None) -> None:
+        future = Future()
+        self.jobs.put((future, fn, args))
+        self.pending.append((future, stream))
 
     def drain(self) -> None:
         pending, self.pending = self.pending, []
-        for future in pending:  # a stream's own failures end that stream (ResponseStream.__call__)
-            if (exc := future.exception()) is not None:
+        for future, stream in pending:
+            self._wait(future, stream)
+            # a stream's own failures end that stream (ResponseStream.__call__)
+            if future.done() and (exc := future.exception()) is not None:
                 log.error("sending a response failed: %r", exc)
 
+    def _wait(self, future: Future, stream: ResponseStream | None) -> None:
+        while not futures_wait([future], timeout=ORPHAN_WAIT_S).done:
+            if stream is not None and stream.orphaned and future.running():
+                log.warning("a send is stuck (its BLS reader is gone); a new thread takes its place")
+                self.threads.append(self._add_thread())
+                return
+
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        for _ in self.threads:
+            self.jobs.put(None)
+        for thread in self.threads:
+            thread.join(timeout=1)
 
 
 class EngineMetrics:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
 import time
 
@@ -19,6 +20,40 @@ log = logging.getLogger("tandem.adapter")
 # on this 2-core CPU), once per stream per poll: 0.1 s keeps that near 10 per stream per
 # second and stops a cancelled stream within a few tokens.
 CANCEL_POLL_S = 0.1
+# The Triton request parameter a router puts on its BLS requests: the process that reads the
+# child's responses. Triton cancels nothing when a stub dies, so a child whose parent is
+# gone ends the request itself (see EngineModel.poll).
+PARENT_PARAMETER = "tandem_parent"
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # [state, ppid, ...]; the name may hold spaces
+
+
+def process_identity(pid: int | None = None) -> str:
+    """pid:start time, so that a reused pid is not taken for the process that died."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}:{_stat(pid)[19]}"
+
+
+def process_alive(identity: str) -> bool:
+    """A dead stub stays a zombie until the server reaps it: that counts as gone."""
+    try:
+        fields = _stat(int(identity.split(":")[0]))
+    except (OSError, ValueError):
+        return False
+    return f"{identity.split(':')[0]}:{fields[19]}" == identity and fields[0] not in "ZX"
+
+
+def request_parent(request) -> str | None:
+    """The identity of the process that sent `request` over BLS and reads its responses."""
+    try:
+        return json.loads(request.parameters() or "{}").get(PARENT_PARAMETER)
+    except (AttributeError, ValueError):
+        return None
+
+
 def model_parameters(args: dict) -> dict[str, str]:
     config = json.loads(args["model_config"])
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
@@ -46,8 +81,15 @@ class ResponseStream:
         # is_cancelled() after that crashes the server, so both hold this lock.
         self.lock = threading.Lock()
         self.closed = False
+        # Its reader (a BLS parent) died: a send would never return and may hold the lock.
+        self.orphaned = False
+
+    def orphan(self) -> None:
+        self.orphaned = True
 
     def __call__(self, out: RequestOutput) -> None:
+        if self.orphaned:
+            return
         try:
             with self.lock:
                 if self.closed:
@@ -60,6 +102,8 @@ class ResponseStream:
 
     def cancelled(self) -> bool:
         """Whether the client cancelled (or its stream cannot be asked any more)."""
+        if self.orphaned:
+            return True
         try:
             with self.lock:
                 return not self.closed and self.sender.is_cancelled()

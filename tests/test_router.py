@@ -160,15 +160,13 @@ def test_router_sends_each_token_without_waiting_for_the_next(router_server):
     client.close()
 
 
-@pytest.mark.parametrize("children", [
-    pytest.param("bls", marks=pytest.mark.xfail(strict=True, reason=(
-        "decode's and prefill's send() to a dead BLS parent blocks for ever inside the server, and "
-        "their engine loop waits for it: the engines need to notice the dead parent (see issue 21)"))),
-    "grpc"])
+@pytest.mark.parametrize("children", ["bls", "grpc"])
 def test_router_stub_crash_frees_its_childrens_kv(default_model, tmp_path_factory, children):
     """The router's stub dies (SIGSEGV) with three streams on decode: their requests on decode
     and prefill must end and give their KV back. Children over gRPC (prefill_url / decode_url
-    set to this same server) see their stream cancelled when the stub's connections close."""
+    set to this same server) see their stream cancelled when the stub's connections close;
+    BLS children see that the parent process named on their requests is gone (Triton cancels
+    nothing, and a send to the dead stub never returns)."""
     import tritonclient.grpc as grpcclient
     server = TritonServer(str(tmp_path_factory.mktemp(f"crash_{children}")), models=["prefill", "decode", "router"],
                           parameters=disagg_parameters(free_port()))

@@ -1,4 +1,6 @@
 """Request tensors -> engine request: every accepted form and every bad input; the adapter's gauges."""
+import time
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,51 @@ def test_send_pool_overlaps_a_steps_sends_and_drain_waits_for_them():
     pool.drain()
     assert done[-1] == "c" and pool.pending == []
     pool.close()
+
+
+def test_send_pool_stops_waiting_for_a_send_to_an_orphaned_stream():
+    """A send whose BLS reader died never returns: once its stream is orphaned, drain
+    returns and a new thread serves the later sends (the stuck one is left behind)."""
+    import threading
+
+    from backends.triton_adapter import SendPool
+
+    class Stream:
+        orphaned = False
+
+    pool, never, done, stream = SendPool(1), threading.Event(), [], Stream()
+    pool.submit(never.wait, stream=stream)
+    threading.Timer(0.3, lambda: setattr(stream, "orphaned", True)).start()
+    pool.drain()  # returns only because the stream was orphaned
+    assert stream.orphaned and not never.is_set()
+    pool.submit(done.append, "next")
+    pool.drain()
+    assert done == ["next"] and len(pool.threads) == 2
+    never.set()
+    pool.close()
+
+
+def test_a_dead_or_zombie_or_reused_parent_is_not_alive():
+    """The engine aborts a BLS request whose parent is gone; a dead stub is a zombie until
+    the server reaps it, and a reused pid has another start time."""
+    import signal
+    import subprocess
+
+    from backends.triton_stream import process_alive, process_identity
+
+    child = subprocess.Popen(["sleep", "30"])
+    identity = process_identity(child.pid)
+    assert process_alive(identity) and process_alive(process_identity())
+    child.send_signal(signal.SIGSEGV)
+    for _ in range(100):  # not reaped: a zombie
+        if not process_alive(identity):
+            break
+        time.sleep(0.02)
+    assert not process_alive(identity)
+    child.wait()
+    assert not process_alive(identity)
+    pid, start = process_identity().split(":")
+    assert not process_alive(f"{pid}:{int(start) + 1}") and not process_alive("garbage")
 
 
 def test_the_router_loads_neither_torch_nor_the_engine():

@@ -21,7 +21,8 @@ import numpy as np
 
 from backends.parameters import refuse_unknown, typed_parameter
 from backends.request import InvalidRequest, RequestOutput
-from backends.triton_stream import LatencyMetrics, ResponseStream, StreamingModel, model_parameters
+from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseStream, StreamingModel, model_parameters,
+                                    process_identity)
 from backends.triton_io import OUTPUTS, parse_request
 
 log = logging.getLogger("tandem.router")
@@ -73,11 +74,12 @@ class LocalChild:
 
     def __init__(self, pb, model: str, retired: Retired):
         self.pb, self.model, self.retired = pb, model, retired
+        self.parameters = {PARENT_PARAMETER: process_identity()}  # the child aborts if this process dies
 
     def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, dict]]:
         """(error, outputs) per response, until the child's final one."""
         request = self.pb.InferenceRequest(
-            model_name=self.model, requested_output_names=CHILD_OUTPUTS,
+            model_name=self.model, requested_output_names=CHILD_OUTPUTS, parameters=self.parameters,
             inputs=[self.pb.Tensor(name, array) for name, array in tensors.items()])
         responses = request.exec(decoupled=True)
         try:
