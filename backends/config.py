@@ -47,6 +47,9 @@ class EngineConfig:
     core_turns: str = field(default="auto", metadata={
         "doc": "cpu: on = take turns at shared cores with the other engines of this host (one forward at a "
                "time, prefill first); off; auto = on for prefill and decode, off for colocated"})
+    overlap: str = field(default="off", metadata={
+        "doc": "on = the next step is scheduled and launched while the last one's tokens are streamed (a "
+               "forward thread runs the steps, a decode's input token is resolved when its step starts); off"})
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -56,6 +59,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.core_turns not in ("auto", "on", "off"):
             raise ValueError(f"core_turns must be auto, on or off, got {self.core_turns!r}")
+        if self.overlap not in ("on", "off"):
+            raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
         parse_cores(self.cpu_cores)
         if self.num_pages < 0 or self.threads < 0 or self.max_context < 0 or self.max_batch_tokens < 0:
             raise ValueError("num_pages, threads, max_context and max_batch_tokens must be >= 0")

@@ -17,7 +17,8 @@ from backends.config import EngineConfig
 from backends.detokenizer import IncrementalDetokenizer
 from backends.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from backends.runner import ModelRunner
-from backends.scheduler import ColocatedRole, Scheduler
+from backends.role import Role
+from backends.scheduler import Scheduler
 
 log = logging.getLogger("tandem.engine")
 
@@ -28,7 +29,7 @@ def load_tokenizer(path: str):
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, role: ColocatedRole | None = None, tokenizer=None):
+    def __init__(self, cfg: EngineConfig, role: Role | None = None, tokenizer=None):
         self.cfg = cfg
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_path)
         self.runner = ModelRunner(cfg)
@@ -104,4 +105,5 @@ class Engine:
         self.scheduler.wake()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.scheduler.close()
         self.scheduler.role.close()

@@ -92,6 +92,10 @@ class Request:
         self.sink = sink
         self.detok = detokenizer
         self.num_computed = 0
+        # Tokens sampled by a step still in flight (overlap), as (step, row) of that step's
+        # samples: the next step's input, resolved on the forward thread when it starts.
+        self.futures: list[tuple[int, int]] = []
+        self.last_step = -1   # the latest step whose forward reads this request's pages
         self.pages: list[int] = []
         self.status = Status.WAITING
         self.arrival = next(_arrival)
@@ -105,15 +109,22 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.futures)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, those of a step in flight included."""
+        return len(self.output_ids) + len(self.futures)
 
     @property
     def num_pending(self) -> int:
         """Tokens whose KV still has to be computed before the next sample."""
         return self.num_tokens - self.num_computed
 
-    def token_slice(self, start: int, end: int) -> list[int]:
+    def token_slice(self, start: int, end: int) -> list[int | tuple[int, int]]:
+        """Token ids of positions [start, end); a token still being sampled is its (step, row)."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        known = self.prompt_ids + self.output_ids
+        return (known + self.futures)[start:end] if end > len(known) else known[start:end]

@@ -24,16 +24,31 @@ from kernels.decoder import pick_decoder
 @dataclass
 class Batch:
     """(request, new tokens this step) pairs; `samples` are the requests whose
-    last pending token is in this step, so they sample a token from it."""
+    last pending token is in this step, so they sample a token from it. `starts` are the
+    items' first positions, taken when the batch is made (the scheduler moves
+    num_computed on as soon as the step is launched)."""
 
     items: list[tuple[Request, int]]
 
     def __post_init__(self):
         self.samples = [r for r, n in self.items if r.num_computed + n == r.num_tokens]
+        self.starts = [r.num_computed for r, _ in self.items]
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+
+@dataclass
+class StepInputs:
+    """A batch as the forward takes it, built on the scheduler thread. `futures` are
+    (index in ids, (step, row)) of tokens that an earlier step is still sampling."""
+
+    ids: list[int]
+    positions: list[int]
+    rows: list[int]
+    plan: object
+    futures: list[tuple[int, tuple[int, int]]]
 
 
 class ModelRunner:
@@ -67,16 +82,15 @@ class ModelRunner:
         wanted = self.cfg.max_running_requests * -(-self.max_context // self.cfg.page_size)
         return max(1, min(wanted, int(self.cfg.kv_memory_gb * 2**30 // page_bytes)))
 
-    def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
-        (`model.logits` / `model.greedy` turn it into tokens: backends.sampler)."""
-        if self._step_thread != threading.get_ident() and self.device.type == "cpu":
-            self._step_thread = threading.get_ident()
-            torch.set_num_threads(self.cfg.num_threads)
-        ids, positions, q_lens, kv_lens, rows = [], [], [], [], []
-        for req, n in batch.items:  # Python lists, one tensor each below: cheaper than per-request tensors
-            start = req.num_computed
-            ids.extend(req.token_slice(start, start + n))
+    def prepare(self, batch: Batch) -> StepInputs:
+        """Everything of a step that does not need the tokens of the step before it."""
+        ids, positions, q_lens, kv_lens, rows, futures = [], [], [], [], [], []
+        for (req, n), start in zip(batch.items, batch.starts):  # Python lists: cheaper than tensors each
+            for token in req.token_slice(start, start + n):
+                if isinstance(token, tuple):
+                    futures.append((len(ids), token))
+                    token = 0
+                ids.append(token)
             positions.extend(range(start, start + n))
             q_lens.append(n)
             kv_lens.append(start + n)
@@ -84,11 +98,21 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
         meta = AttentionMetadata.build(q_lens, kv_lens, [r.pages for r, _ in batch.items],
                                        self.cfg.page_size, self.device)
-        plan = self.attn.plan(meta)
+        return StepInputs(ids, positions, rows, self.attn.plan(meta), futures)
+
+    def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
+        (`model.logits` / `model.greedy` turn it into tokens: backends.sampler)."""
+        return self.forward(self.prepare(batch), after_layer)
+
+    def forward(self, step: StepInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        if self._step_thread != threading.get_ident() and self.device.type == "cpu":
+            self._step_thread = threading.get_ident()
+            torch.set_num_threads(self.cfg.num_threads)
         tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         if self.turns is None:
-            return self.model.forward(tensor(ids), tensor(positions), self.kv, self.attn, plan, tensor(rows),
-                                      after_layer)
+            return self.model.forward(tensor(step.ids), tensor(step.positions), self.kv, self.attn, step.plan,
+                                      tensor(step.rows), after_layer)
         with self.turns:
-            return self.model.forward(tensor(ids), tensor(positions), self.kv, self.attn, plan, tensor(rows),
-                                      after_layer)
+            return self.model.forward(tensor(step.ids), tensor(step.positions), self.kv, self.attn, step.plan,
+                                      tensor(step.rows), after_layer)

@@ -19,23 +19,23 @@ class RowsFailed(RuntimeError):
         self.tokens, self.logprobs, self.errors = tokens, logprobs, errors
 
 
-def sample(model, hidden: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
+def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[list[int]],
            with_logprobs: bool = True) -> tuple[list[int], list[float] | None]:
-    """hidden [n, hidden], one row per request (runner.run's output); `model` has `logits(rows)`
-    and `greedy(rows, banned)` (None where it cannot). Returns token ids and, if asked, their
+    """hidden [n, hidden], one row per request (runner.run's output); banned: the ids each
+    row may not pick (its stop ids before min_tokens). `model` has `logits(rows)` and
+    `greedy(rows, banned)` (None where it cannot). Returns token ids and, if asked, their
     logprobs. Greedy rows go to `greedy` unless logprobs are asked for."""
     fast = [] if with_logprobs else [row for row, req in enumerate(requests) if req.params.greedy]
-    banned = [stop_ids[row] if _masked(requests[row], stop_ids[row]) else [] for row in fast]
-    fast_tokens = model.greedy(hidden[fast], banned) if fast else None
+    fast_tokens = model.greedy(hidden[fast], [banned[row] for row in fast]) if fast else None
     if fast_tokens is None:
-        return sample_logits(model.logits(hidden), requests, stop_ids, with_logprobs)
+        return sample_logits(model.logits(hidden), requests, banned, with_logprobs)
     if len(fast) == len(requests):
         return fast_tokens, None
     rest = sorted(set(range(len(requests))) - set(fast))
     errors = {}
     try:
         rest_tokens, _ = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
-                                       [stop_ids[r] for r in rest], with_logprobs=False)
+                                       [banned[r] for r in rest], with_logprobs=False)
     except RowsFailed as exc:
         rest_tokens, errors = exc.tokens, {rest[row]: message for row, message in exc.errors.items()}
     by_row = dict(zip(fast, fast_tokens)) | dict(zip(rest, rest_tokens))
@@ -45,18 +45,13 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], stop_ids: list[
     return tokens, None
 
 
-def _masked(req: Request, stop_ids: list[int]) -> bool:
-    """Its stop tokens are barred until min_tokens: its argmax is over part of the vocabulary."""
-    return bool(stop_ids) and len(req.output_ids) < req.params.min_tokens
-
-
-def sample_logits(logits: torch.Tensor, requests: list[Request], stop_ids: list[list[int]],
+def sample_logits(logits: torch.Tensor, requests: list[Request], banned: list[list[int]],
                   with_logprobs: bool = True) -> tuple[list[int], list[float] | None]:
     """logits [n, V] fp32, one row per request; returns token ids and, if asked, their logprobs
     (a logsumexp over the vocabulary: 0.37 ms of a 23 ms step at 16 rows of the default model).
     Everything stays on the logits' device; the one host copy is the ids at the end."""
-    for row, (req, ids) in enumerate(zip(requests, stop_ids)):
-        if _masked(req, ids):
+    for row, ids in enumerate(banned):
+        if ids:
             logits[row, ids] = float("-inf")  # no end before min_tokens
     tokens = logits.argmax(dim=-1)
     sampled = [row for row, req in enumerate(requests) if not req.params.greedy]

@@ -4,11 +4,18 @@
         take new requests and aborts          (_take_inbox)
         role-specific queues advance          (role.advance)
         batch = schedule()                    (decodes and prefill chunks in one token budget)
-        hidden = runner.run(batch)
-        process(batch, hidden)                (sample, stream, finish, free)
+        launch(batch)                         (inputs built; forward + sample)
+        complete(step)                        (stream, finish, free)
+
+With `overlap` off a step is launched and completed in one turn. With it on, the
+forward and the sampling run on a forward thread: the loop launches step N+1, then
+completes step N while N+1 computes. A decode's input token in step N+1 is the token
+step N is still sampling (a future, `Request.futures`), resolved on the forward thread
+when N+1 starts, so no token waits on the loop. A request that finishes at step N
+drops what N+1 computed for it, and its pages go back only after N+1's forward.
 
 Roles (colocated, prefill, decode) differ only in where requests come from and
-where finished prefills go (`backends.roles`); they plug into this loop.
+where finished prefills go (`backends.role`); they plug into this loop.
 """
 from __future__ import annotations
 
@@ -16,58 +23,38 @@ import collections
 import logging
 import threading
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from backends.config import EngineConfig
 from backends.request import Request, RequestOutput, Status
-from backends.runner import Batch, ModelRunner
+from backends.role import ColocatedRole, Role
+from backends.runner import Batch, ModelRunner, StepInputs
 from backends.sampler import RowsFailed, sample
 
 log = logging.getLogger("tandem.scheduler")
+KEPT_STEPS = 4   # steps whose sampled tokens the forward thread keeps for later steps' futures
 
 
-class ColocatedRole:
-    """Requests come from the adapter and decode here after their prefill."""
+@dataclass
+class Step:
+    """A launched batch: its number, and its result once the forward thread has it:
+    (tokens, logprobs, per-row errors) or the exception that failed the step."""
 
-    carries_logprobs = False   # whether sampled tokens need their logprob (a hand-off carries it)
-    ends_text = True           # whether a request's last output here is the end of its text
-
-    def attach(self, scheduler: "Scheduler") -> None:
-        pass
-
-    def admit(self, req: Request) -> bool:
-        """Return True when the role holds a new request itself (else it waits to be scheduled)."""
-        return False
-
-    def advance(self) -> None:
-        pass
-
-    def on_sampled(self, req: Request) -> bool:
-        """Return True when the role took the request over (it leaves this engine)."""
-        return False
-
-    def on_abort(self, req: Request) -> None:
-        pass
-
-    def on_preempt(self, req: Request) -> None:
-        """Called before a preempted request's pages go back to the pool; a role whose
-        queued work still reads them takes them over (req.pages = [])."""
-
-    def close(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
+    number: int
+    batch: Batch
+    result: Future
 
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, eos_ids: tuple[int, ...],
-                 role: ColocatedRole | None = None):
+                 role: Role | None = None):
         self.cfg, self.runner, self.pool = cfg, runner, runner.pool
         self.eos_ids = list(eos_ids)
-        self.role = role or ColocatedRole()
+        self.role: Role = role or ColocatedRole()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -81,6 +68,13 @@ class Scheduler:
         # idles): the Triton adapter waits there for the previous step's sends, so they overlap
         # this step's forward yet a stream's responses keep their order.
         self.before_process: Callable[[], None] | None = None
+        self.overlap = cfg.overlap == "on"
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap else None
+        self.in_flight: Step | None = None
+        self.steps_launched = 0
+        self.forward_done = -1     # the last step whose forward has finished (forward thread)
+        self.sampled: dict[int, list[int]] = {}   # step -> its tokens (forward thread only)
+        self.deferred: list[tuple[int, list[int]]] = []  # (step, pages) freed once that step's forward is done
         self.role.attach(self)
 
     # ---- called from other threads -------------------------------------------------
@@ -95,31 +89,125 @@ class Scheduler:
     def wake(self) -> None:
         self._wake.set()
 
+    def close(self) -> None:
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
+
+    # ---- what roles call to move requests (on the loop's thread) ---------------------
+    def enqueue(self, req: Request) -> None:
+        """A request the role held is ready for its prefill."""
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def join_running(self, req: Request) -> None:
+        """A request whose KV is already here (prebuilt) joins the decode batch."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def has_room(self) -> bool:
+        return len(self.running) < self.cfg.max_running_requests
+
+    def leave(self, req: Request) -> None:
+        """The role takes a request over: it is no longer scheduled here (pages stay with it)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def free_pages(self, req: Request, pages: list[int]) -> None:
+        """Pages the role kept of `req` go back (after the last forward that reads them)."""
+        self._free_after(req.last_step, pages)
+
+    def scheduled(self) -> list[Request]:
+        """Requests running or waiting for a step, in that order (read only)."""
+        return self.running + list(self.waiting)
+
     # ---- the loop ------------------------------------------------------------------
     def step(self, wait_s: float = 0.05) -> bool:
-        """One turn of the loop; returns whether a batch ran."""
+        """One turn of the loop; returns whether a step was launched or completed."""
         self._wake.clear()
         self._take_inbox()
         self.role.advance()
+        self._free_deferred()
         batch = self.schedule()
-        if batch is None:
+        launched = self._launch(batch) if batch is not None else None
+        done, self.in_flight = (self.in_flight, launched) if self.overlap else (launched, None)
+        if done is not None:
+            self._complete(done)
+        elif launched is None:
             self._wake.wait(wait_s)  # new requests, aborts and transfer events wake it early
-            return False
-        try:
-            with torch.inference_mode():
-                hidden = self.runner.run(batch, self.role_layer_hook(batch))
-                if self.before_process is not None:
-                    self.before_process()
-                self.process(batch, hidden)
-        except Exception as exc:  # a bad batch must not take the engine down
-            log.error("step failed: %s", traceback.format_exc())
-            for req, _ in batch.items:
-                self.finish(req, "error", error=f"internal error: {exc}")
-        return True
+        return done is not None or launched is not None
 
-    def role_layer_hook(self, batch: Batch):
-        hook = getattr(self.role, "layer_hook", None)
-        return hook(batch) if hook else None
+    def _launch(self, batch: Batch) -> Step:
+        """Inputs built here; the forward and sampling run now (overlap off) or on the
+        forward thread (on). Progress counts from the launch, so the next schedule sees it."""
+        number, self.steps_launched = self.steps_launched, self.steps_launched + 1
+        hook = self.role.layer_hook(batch)
+        banned = [self._banned(req) for req in batch.samples]
+        try:
+            inputs = self.runner.prepare(batch)
+        except Exception as exc:
+            result = Future()
+            result.set_exception(exc)
+            return Step(number, batch, result)
+        for row, req in enumerate(batch.samples):
+            req.futures.append((number, row))
+        for req, n in batch.items:
+            req.num_computed += n
+            req.last_step = number
+        args = (number, batch, inputs, hook, banned)
+        if self._forward_thread is not None:
+            return Step(number, batch, self._forward_thread.submit(self._forward, *args))
+        result = Future()
+        try:
+            result.set_result(self._forward(*args))
+        except Exception as exc:
+            result.set_exception(exc)
+        return Step(number, batch, result)
+
+    def _forward(self, number: int, batch: Batch, inputs: StepInputs, hook, banned: list[list[int]]):
+        """Resolve the futures, run the forward, sample (the forward thread when overlap is on)."""
+        try:
+            for index, (step, row) in inputs.futures:
+                inputs.ids[index] = self.sampled[step][row]
+            with torch.inference_mode():
+                hidden = self.runner.forward(inputs, hook)
+                if not batch.samples:
+                    return [], None, {}
+                try:
+                    tokens, logprobs = sample(self.runner.model, hidden, batch.samples, banned,
+                                              self.role.carries_logprobs)
+                    errors = {}
+                except RowsFailed as exc:  # one row's failure must not cost its neighbours their token
+                    tokens, logprobs, errors = exc.tokens, exc.logprobs, exc.errors
+            self.sampled[number] = tokens
+            self.sampled.pop(number - KEPT_STEPS, None)
+            return tokens, logprobs, errors
+        finally:
+            self.forward_done = number
+
+    def _banned(self, req: Request) -> list[int]:
+        """Its stop ids until min_tokens (counting tokens still being sampled)."""
+        ids = self.stop_ids(req)
+        return ids if ids and req.num_generated < req.params.min_tokens else []
+
+    def _complete(self, step: Step) -> None:
+        try:
+            tokens, logprobs, errors = step.result.result()
+        except Exception as exc:  # a bad batch must not take the engine down
+            log.error("step failed: %s", "".join(traceback.format_exception(exc)))
+            self._forget(step)
+            for req, _ in step.batch.items:
+                self.finish(req, "error", error=f"internal error: {exc}")
+            return
+        self._free_deferred()
+        if self.before_process is not None:
+            self.before_process()
+        self.process(step, tokens, logprobs, errors)
+
+    def _forget(self, step: Step) -> None:
+        for req in step.batch.samples:
+            req.futures = [f for f in req.futures if f[0] != step.number]
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -145,8 +233,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not Status.RUNNING:
-                continue  # preempted by an earlier request of this step
+            if req.status is not Status.RUNNING or not self._wants_step(req):
+                continue  # preempted by an earlier request of this step, or nothing to compute
             n = min(req.num_pending, budget, self.cfg.chunk_size)
             if n > 0 and self._grow(req, n, preempt=True):
                 items.append((req, n))
@@ -162,6 +250,14 @@ class Scheduler:
             items.append((req, n))
             budget -= n
         return Batch(items) if items else None
+
+    def _wants_step(self, req: Request) -> bool:
+        """Whether computing its next token can matter: not when a sample in flight already
+        ends it (max_tokens, the context) or leaves this engine (a role that does not decode)."""
+        if not req.futures:
+            return True
+        return self.role.decodes and req.num_generated < req.params.max_tokens \
+            and req.num_tokens < self.runner.max_context
 
     def _grow(self, req: Request, n: int, preempt: bool) -> bool:
         """Give req pages for n more tokens; preempt the latest running requests if needed."""
@@ -182,30 +278,32 @@ class Scheduler:
         log.info("preempting %s (%d tokens) for lack of KV pages", req.id, req.num_tokens)
         self.num_preemptions += 1
         self.running.remove(req)
+        if self.in_flight is not None and req.last_step > self.forward_done:
+            self.in_flight.result.exception()  # its pages are still read: let that forward end
         self.role.on_preempt(req)
         self.pool.free(req.pages)
         req.pages, req.num_computed, req.status = [], 0, Status.WAITING
         self.waiting.appendleft(req)
 
+    def _free_deferred(self) -> None:
+        if self.deferred:
+            done = [entry for entry in self.deferred if entry[0] <= self.forward_done]
+            for entry in done:
+                self.deferred.remove(entry)
+                self.pool.free(entry[1])
+
     # ---- results -------------------------------------------------------------------
-    def process(self, batch: Batch, hidden) -> None:
-        for req, n in batch.items:
-            req.num_computed += n
-        samples = batch.samples
-        if not samples:
-            return
-        stop_ids = [self.stop_ids(r) for r in samples]
-        errors = {}
-        try:
-            tokens, logprobs = sample(self.runner.model, hidden, samples, stop_ids, self.role.carries_logprobs)
-        except RowsFailed as exc:  # one row's failure must not cost its neighbours their token
-            tokens, logprobs, errors = exc.tokens, exc.logprobs, exc.errors
-        for row, (req, token, ids) in enumerate(zip(samples, tokens, stop_ids)):
+    def process(self, step: Step, tokens: list[int], logprobs: list[float] | None, errors: dict) -> None:
+        for row, (req, token) in enumerate(zip(step.batch.samples, tokens)):
+            if (step.number, row) in req.futures:
+                req.futures.remove((step.number, row))
+            if req.status is Status.FINISHED:
+                continue  # ended while this step was in flight: its token is dropped
             if row in errors:
                 log.warning("request %s could not be sampled: %s", req.id, errors[row])
                 self.finish(req, "error", error=f"sampling this request failed: {errors[row]}")
             else:
-                self.append_token(req, token, logprobs[row] if logprobs else None, ids)
+                self.append_token(req, token, logprobs[row] if logprobs else None, self.stop_ids(req))
 
     def append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
         """Take a sampled token; a failure here (detokenizing, a stop check, a role's hand-off)
@@ -234,7 +332,7 @@ class Scheduler:
             if req.detok.stopped:
                 reason = "stop"
         if reason is None and (len(req.output_ids) >= req.params.max_tokens
-                               or req.num_tokens >= self.runner.max_context):
+                               or len(req.prompt_ids) + len(req.output_ids) >= self.runner.max_context):
             reason = "length"
         if reason:
             self.finish(req, reason)
@@ -263,7 +361,7 @@ class Scheduler:
         if reason in ("abort", "error"):
             self.role.on_abort(req)
         if req.pages:
-            self.pool.free(req.pages)
+            self._free_after(req.last_step, req.pages)
             req.pages = []
         req.status = Status.FINISHED
         self.requests.pop(req.id, None)
@@ -271,6 +369,14 @@ class Scheduler:
             self.emit(req, final=True, reason=reason, error=error)
         except Exception:  # a sink that fails (client gone) must not stop the loop
             log.warning("could not deliver the end of %s: %s", req.id, traceback.format_exc())
+
+    def _free_after(self, step: int, pages: list[int]) -> None:
+        """Pages go back once the last forward that reads them is done (a role may hand them
+        to KV writes from another engine, which no stream order protects)."""
+        if step > self.forward_done:
+            self.deferred.append((step, pages))
+        else:
+            self.pool.free(pages)
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),

@@ -67,10 +67,11 @@ def test_layer_groups_cover_every_layer_once():
 
 
 # ---- exact output ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pair(checkpoint):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["overlap-off", "overlap-on"])
+def pair(checkpoint, request):
     # 1 layer per group above 8 tokens: every chunk of the long prompts is pipelined
-    p = Pair(checkpoint("llama"), pipeline_min_tokens=8, pipeline_group_size=1, transfer_timeout_s=5)
+    p = Pair(checkpoint("llama"), pipeline_min_tokens=8, pipeline_group_size=1, transfer_timeout_s=5,
+             engine_overrides={"overlap": request.param})
     yield p
     p.close()
 
@@ -144,10 +145,11 @@ def wait_for(done, timeout_s: float = 10) -> bool:
 
 
 # ---- preemption on the prefill side ----------------------------------------------------
-def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint, colocated, monkeypatch):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint, colocated, monkeypatch, overlap):
     # 20 prefill pages cannot hold both prompts (13 + 10 pages): the later one is preempted
     pair = Pair(checkpoint("llama"), prefill_engine={"num_pages": 20}, pipeline_min_tokens=8,
-                pipeline_group_size=1, transfer_timeout_s=20)
+                pipeline_group_size=1, transfer_timeout_s=20, engine_overrides={"overlap": overlap})
     gate = writes_in_flight(pair, monkeypatch)
     try:
         role, pool = pair.prefill.scheduler.role, pair.prefill.scheduler.pool
@@ -217,8 +219,8 @@ def test_quarantine_holds_until_prefill_says_released(pair, monkeypatch, who):
 def blocked_pair(checkpoint, monkeypatch, **knobs):
     """A pair whose decode pool is taken by a long request: the next ones wait in prealloc."""
     pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 128}, decode_reserve_tokens=400, **knobs)
-    run = pair.decode.scheduler.runner.run
-    monkeypatch.setattr(pair.decode.scheduler.runner, "run", lambda *a: (time.sleep(0.02), run(*a))[1])
+    run = pair.decode.scheduler.runner.forward
+    monkeypatch.setattr(pair.decode.scheduler.runner, "forward", lambda *a: (time.sleep(0.02), run(*a))[1])
     room, d, _ = pair.submit(prompts(4)[3], SamplingParams(max_tokens=400, min_tokens=400))  # 8 s of decode
     d.get(timeout=30)
     return pair, room, d
@@ -363,13 +365,14 @@ def test_early_layer_groups_land_before_the_last_layer(default_model, pipeline):
         pair.close()
 
 
-def test_landed_requests_wait_for_room_in_the_running_batch(checkpoint, colocated, monkeypatch):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_landed_requests_wait_for_room_in_the_running_batch(checkpoint, colocated, monkeypatch, overlap):
     """KV that lands while decode runs max_running_requests waits with its pages; the running
     batch never grows past the cap, and every output is exact."""
-    pair = Pair(checkpoint("llama"), engine_overrides={"max_running_requests": 2})
+    pair = Pair(checkpoint("llama"), engine_overrides={"max_running_requests": 2, "overlap": overlap})
     sizes = []
-    run = pair.decode.scheduler.runner.run
-    monkeypatch.setattr(pair.decode.scheduler.runner, "run",
+    run = pair.decode.scheduler.runner.forward
+    monkeypatch.setattr(pair.decode.scheduler.runner, "forward",
                         lambda *a: (sizes.append(len(pair.decode.scheduler.running)), run(*a))[1])
     try:
         batch = prompts(5)

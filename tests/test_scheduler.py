@@ -1,5 +1,6 @@
 """The engine loop on a tiny checkpoint: preemption, aborts, failures and
-sampling options; the KV pool is whole after every scenario."""
+sampling options; the KV pool is whole after every scenario. Every scenario on the
+`engine` fixture runs with overlap off and on."""
 import threading
 
 import pytest
@@ -14,14 +15,19 @@ from tests.test_model_parity import prompts
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    eng = small_engine(checkpoint("llama"))
+@pytest.fixture(scope="module", params=["off", "on"], ids=["overlap-off", "overlap-on"])
+def engine(checkpoint, request):
+    eng = small_engine(checkpoint("llama"), overlap=request.param)
     yield eng
     eng.stop()
 
 
 def assert_pool_whole(engine):
+    # with overlap a request's pages come back after the step in flight at its end
+    for _ in range(100):
+        if engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]:
+            break
+        threading.Event().wait(0.05)
     engine.runner.pool.check_integrity()
     assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
 
@@ -29,7 +35,8 @@ def assert_pool_whole(engine):
 def test_preemption_keeps_outputs_exact(checkpoint, engine):
     batch = prompts(6)
     expected = [token_ids(o) for o in collect(engine, batch, GREEDY)]
-    tight = small_engine(checkpoint("llama"), num_pages=30)  # 120 token slots for ~300 tokens of work
+    tight = small_engine(checkpoint("llama"), num_pages=30,  # 120 token slots for ~300 tokens of work
+                         overlap=engine.cfg.overlap)
     try:
         got = [token_ids(o) for o in collect(tight, batch, GREEDY)]
         assert tight.stats()["preemptions"] > 0
@@ -74,15 +81,15 @@ def test_abort_mid_decode_frees_kv(engine):
 
 
 def test_failed_step_ends_its_requests_and_engine_goes_on(engine, monkeypatch):
-    real_run = engine.runner.run
+    real_run = engine.runner.forward
     calls = {"n": 0}
 
-    def flaky(batch, hook=None):
+    def flaky(inputs, hook=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected failure")
-        return real_run(batch, hook)
-    monkeypatch.setattr(engine.runner, "run", flaky)
+        return real_run(inputs, hook)
+    monkeypatch.setattr(engine.runner, "forward", flaky)
     [outs] = collect(engine, [prompts(1)[0]], GREEDY)
     assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
     assert_pool_whole(engine)
@@ -129,7 +136,7 @@ def test_logprobs_only_where_a_hand_off_carries_them():
     from backends.disagg.prefill import PrefillRole
     from backends.request import Request
     from backends.sampler import sample_logits
-    from backends.scheduler import ColocatedRole
+    from backends.role import ColocatedRole
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     reqs = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), None, None) for i in range(3)]
@@ -146,8 +153,8 @@ def test_before_process_runs_between_a_forward_and_its_outputs(engine, monkeypat
     """The Triton adapter waits there for the previous step's sends: a step's outputs must
     come after its forward and then the hook."""
     events = []
-    run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda *a: (events.append("forward"), run(*a))[1])
+    run = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda *a: (events.append("forward"), run(*a))[1])
     engine.scheduler.before_process = lambda: events.append("hook")
     done = threading.Event()
 
@@ -172,8 +179,9 @@ def test_bad_prompts_are_refused(engine):
     assert_pool_whole(engine)
 
 
-def test_output_stops_at_the_context_limit(checkpoint):
-    eng = small_engine(checkpoint("llama"), max_context=40)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_output_stops_at_the_context_limit(checkpoint, overlap):
+    eng = small_engine(checkpoint("llama"), max_context=40, overlap=overlap)
     try:
         [outs] = collect(eng, [prompts(4)[3][:30]], SamplingParams(max_tokens=100, min_tokens=100))
         assert outs[-1].finish_reason == "length" and len(token_ids(outs)) == 10

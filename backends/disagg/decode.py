@@ -31,6 +31,7 @@ PING_S = 0.5
 class DecodeRole:
     carries_logprobs = False
     ends_text = True
+    decodes = True
 
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
@@ -78,6 +79,9 @@ class DecodeRole:
             self._allocate()
         self._expire()
         self._ping()
+
+    def layer_hook(self, batch) -> None:
+        return None
 
     def on_sampled(self, req: Request) -> bool:
         return False
@@ -145,8 +149,7 @@ class DecodeRole:
     def _reserved(self) -> int:
         """KV that admitted requests will still claim for their decode reserve."""
         total = 0
-        held = list(self.transfer.values()) + [entry[0] for entry in self.landed] + self.scheduler.running \
-            + list(self.scheduler.waiting)
+        held = list(self.transfer.values()) + [entry[0] for entry in self.landed] + self.scheduler.scheduled()
         for req in held:
             left = min(req.params.max_tokens - len(req.output_ids), self.cfg.decode_reserve_tokens)
             total += max(0, self.pool.pages_for(req.num_tokens + max(left, 0)) - len(req.pages))
@@ -202,10 +205,9 @@ class DecodeRole:
     def _join_landed(self) -> None:
         """Requests whose KV landed join the running batch while it has room
         (max_running_requests); the others keep their pages and wait, in order."""
-        while self.landed and len(self.scheduler.running) < self.scheduler.cfg.max_running_requests:
+        while self.landed and self.scheduler.has_room():
             req, token, logprob = self.landed.popleft()
-            req.status = Status.RUNNING
-            self.scheduler.running.append(req)
+            self.scheduler.join_running(req)
             self.scheduler.append_token(req, token, logprob, self.scheduler.stop_ids(req))
 
     def _fail(self, req: Request, message: str) -> None:

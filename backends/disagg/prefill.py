@@ -38,6 +38,7 @@ def prefill_agent_name(port: int) -> str:
 class PrefillRole:
     carries_logprobs = True   # the first token's logprob travels with the KV
     ends_text = False         # decode streams the rest: a character cut here is not the end
+    decodes = False           # after its first token a request leaves for the decode engine
 
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
@@ -92,7 +93,7 @@ class PrefillRole:
 
     def on_sampled(self, req: Request) -> bool:
         """First token sampled: stream it, then hand the request to the worker."""
-        self.scheduler.running.remove(req)
+        self.scheduler.leave(req)
         req.status = Status.TRANSFERRING
         if req.output_ids[-1] not in self.scheduler.stop_ids(req):
             req.detok.add(req.output_ids[-1])
@@ -188,8 +189,7 @@ class PrefillRole:
             self._give_up(peer, req.room, f"prefill refused the room: {problem}")
             self.scheduler.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
             return
-        req.status = Status.WAITING
-        self.scheduler.waiting.append(req)
+        self.scheduler.enqueue(req)
 
     def _on_event(self, kind: str, *args) -> None:
         if kind == "message":
@@ -245,7 +245,7 @@ class PrefillRole:
             self.aborted.popitem(last=False)
 
     def _running(self, room: int) -> Request | None:
-        return next((r for r in self.scheduler.running + list(self.scheduler.waiting) if r.room == room), None)
+        return next((r for r in self.scheduler.scheduled() if r.room == room), None)
 
     def _release(self, req: Request) -> None:
         if getattr(req, "meta_slot", None) is not None:
@@ -253,7 +253,7 @@ class PrefillRole:
             req.meta_slot = None
         held = getattr(req, "held_pages", None)
         if held:
-            self.scheduler.pool.free(held)
+            self.scheduler.free_pages(req, held)
             req.held_pages = []
 
     def _expire(self) -> None:

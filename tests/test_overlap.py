@@ -1,0 +1,132 @@
+"""Overlap scheduling: step N's results are processed while step N+1 computes, and that
+changes nothing a client sees (greedy ids, finish reasons, counts) nor what the pool
+holds. The scheduler scenarios of test_scheduler and the hand-off of test_disagg also run
+with overlap on; these are the cases only overlap has."""
+import queue
+import threading
+
+import pytest
+
+from backends.request import SamplingParams
+from tests.engine_utils import collect, small_engine, token_ids
+from tests.test_model_parity import prompts
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    off, on = small_engine(checkpoint("llama"), overlap="off"), small_engine(checkpoint("llama"), overlap="on")
+    yield off, on
+    off.stop()
+    on.stop()
+
+
+def assert_pool_whole(engine):
+    """A request's last output goes out before the step computing past it ends: its pages
+    come back a step later."""
+    for _ in range(100):
+        if engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]:
+            break
+        threading.Event().wait(0.05)
+    engine.runner.pool.check_integrity()
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+
+
+def test_step_n_is_processed_after_step_n_plus_1_is_launched(engines):
+    _, on = engines
+    events, scheduler = [], on.scheduler
+    launch, process = scheduler._launch, scheduler.process
+    scheduler._launch = lambda batch: (step := launch(batch), events.append(("launch", step.number)))[0]
+    scheduler.process = lambda step, *a: (events.append(("process", step.number)), process(step, *a))[1]
+    try:
+        collect(on, prompts(3), SamplingParams(max_tokens=12, min_tokens=12))
+    finally:
+        del scheduler._launch, scheduler.process
+    processed = [n for kind, n in events if kind == "process"]
+    launched = {n for kind, n in events if kind == "launch"}
+    assert len(processed) >= 12
+    for n in processed:
+        if n + 1 in launched:
+            assert events.index(("launch", n + 1)) < events.index(("process", n)), n
+
+
+def test_every_end_relative_to_the_step_in_flight(engines):
+    """eos, a stop string and max_tokens at each of the first positions: the same tokens,
+    text, reasons and counts as overlap off (the token the next step computed is dropped)."""
+    off, on = engines
+    p = prompts(2)[1]
+    greedy = token_ids(collect(off, [p], SamplingParams(max_tokens=16))[0])
+    text = "".join(o.text for o in collect(off, [p], SamplingParams(max_tokens=16))[0])
+    cases = [SamplingParams(max_tokens=k) for k in range(1, 7)]
+    cases += [SamplingParams(max_tokens=16, end_id=greedy[k]) for k in range(0, 6)]
+    cases += [SamplingParams(max_tokens=16, stop=(text[k:k + 2],)) for k in range(1, 12, 2) if text[k:k + 2].strip()]
+    for params in cases:
+        want, got = collect(off, [p], params)[0], collect(on, [p], params)[0]
+        assert token_ids(got) == token_ids(want), params
+        assert "".join(o.text for o in got) == "".join(o.text for o in want), params
+        assert (got[-1].finish_reason, got[-1].num_output_tokens) == (want[-1].finish_reason,
+                                                                      want[-1].num_output_tokens), params
+    assert_pool_whole(on)
+
+
+def test_a_cancel_while_a_step_is_in_flight(checkpoint, monkeypatch):
+    """The loop turned by hand: step 1 (a decode) is held on the forward thread when the
+    abort is taken. The stream ends with abort at once, the pages stay out of the pool
+    until that forward ends, its token is dropped, and the pool is whole after."""
+    from backends.config import EngineConfig
+    from backends.engine import Engine
+    eng = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=64, threads=1, overlap="on"))
+    try:  # not started: this test turns the loop
+        outs: list = []
+        rid = eng.generate(prompts(2)[1], SamplingParams(max_tokens=400, min_tokens=400), outs.append)
+        assert eng.scheduler.step() and eng.scheduler.in_flight.number == 0  # the prefill, launched
+        forward, gate = eng.runner.forward, threading.Event()
+        monkeypatch.setattr(eng.runner, "forward", lambda *a: (gate.wait(30), forward(*a))[1])
+        assert eng.scheduler.step() and eng.scheduler.in_flight.number == 1  # step 0 done, step 1 held
+        assert len(outs) == 1 and not eng.scheduler.in_flight.result.done()
+        eng.abort(rid)
+        eng.scheduler._take_inbox()
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+        assert eng.stats()["kv_pages_free"] < eng.stats()["kv_pages_total"], "pages freed under a running forward"
+        gate.set()
+        assert eng.scheduler.step()  # completes step 1: its token is dropped, the pages come back
+        assert len(outs) == 2 and eng.scheduler.in_flight is None
+        eng.runner.pool.check_integrity()
+        assert eng.stats()["kv_pages_free"] == eng.stats()["kv_pages_total"]
+    finally:
+        gate.set()
+        eng.stop()
+
+
+def test_pages_go_back_only_after_the_forward_that_reads_them(engines, monkeypatch):
+    """Requests that end by eos while the next step already computes for them: none of
+    their pages returns to the pool while a step that holds them is still running."""
+    off, on = engines
+    scheduler, pool = on.scheduler, on.runner.pool
+    held: dict[int, set[int]] = {}
+    launch, free, early = scheduler._launch, pool.free, []
+
+    def record_launch(batch):
+        pages = {page for req, _ in batch.items for page in req.pages}
+        step = launch(batch)
+        held[step.number] = pages
+        return step
+
+    def record_free(pages):
+        running = [n for n in held if n > scheduler.forward_done]
+        early.extend(p for p in pages if any(p in held[n] for n in running))
+        free(pages)
+    monkeypatch.setattr(scheduler, "_launch", record_launch)
+    monkeypatch.setattr(pool, "free", record_free)
+    batch = prompts(6)
+    ends = [SamplingParams(max_tokens=24, end_id=token_ids(collect(off, [p], SamplingParams(max_tokens=8))[0])[3])
+            for p in batch]
+    results = collect(on, batch, ends)
+    assert all(r[-1].finish_reason == "stop" for r in results)
+    assert not early, f"pages {early} went back while a forward still read them"
+    assert_pool_whole(on)
+
+
+def test_bad_overlap_value_is_refused(checkpoint):
+    from backends.config import EngineConfig
+    with pytest.raises(ValueError, match="overlap"):
+        EngineConfig(model_path=checkpoint("llama"), overlap="yes")
