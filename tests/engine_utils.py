@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 
 from backends.config import EngineConfig
 from backends.engine import Engine
@@ -38,3 +39,14 @@ def token_ids(outputs: list[RequestOutput]) -> list[int]:
 
 def text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)
+
+
+def assert_pool_whole(engine: Engine, timeout_s: float = 5) -> None:
+    """The KV pool is whole and consistent. With overlap a request's last output goes out
+    before the step computing past it ends, so its pages come back up to a step later."""
+    for _ in range(int(timeout_s / 0.05)):
+        if engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]:
+            break
+        threading.Event().wait(0.05)
+    engine.runner.pool.check_integrity()
+    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]

@@ -8,7 +8,7 @@ from backends.model_config import ModelConfig, UnsupportedModelError
 from backends.request import SamplingParams
 from kernels import AttentionMetadata
 from kernels.torch_ref import TorchAttention
-from tests.engine_utils import collect, small_engine, token_ids
+from tests.engine_utils import assert_pool_whole, collect, small_engine, token_ids
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 NEW_TOKENS = 32
@@ -52,19 +52,20 @@ def test_logits_match_transformers(checkpoint, arch, chunk):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_ids_match_transformers(checkpoint, arch):
-    """Single and batched (all prompts at once, chunked prefill beside decodes)."""
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_greedy_ids_match_transformers(checkpoint, arch, overlap):
+    """Single and batched (all prompts at once, chunked prefill beside decodes), overlap off and on."""
     path = checkpoint(arch)
     hf = hf_model(path)
     batch = prompts(6)
     expected = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
                             min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in batch]
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    engine = small_engine(path)
+    engine = small_engine(path, overlap=overlap)
     try:
         single = token_ids(collect(engine, [batch[1]], params)[0])
         batched = [token_ids(outs) for outs in collect(engine, batch, params)]
-        assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+        assert_pool_whole(engine)
     finally:
         engine.stop()
     assert single == expected[1]

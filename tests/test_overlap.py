@@ -2,13 +2,12 @@
 changes nothing a client sees (greedy ids, finish reasons, counts) nor what the pool
 holds. The scheduler scenarios of test_scheduler and the hand-off of test_disagg also run
 with overlap on; these are the cases only overlap has."""
-import queue
 import threading
 
 import pytest
 
 from backends.request import SamplingParams
-from tests.engine_utils import collect, small_engine, token_ids
+from tests.engine_utils import assert_pool_whole, collect, small_engine, token_ids
 from tests.test_model_parity import prompts
 
 
@@ -18,17 +17,6 @@ def engines(checkpoint):
     yield off, on
     off.stop()
     on.stop()
-
-
-def assert_pool_whole(engine):
-    """A request's last output goes out before the step computing past it ends: its pages
-    come back a step later."""
-    for _ in range(100):
-        if engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]:
-            break
-        threading.Event().wait(0.05)
-    engine.runner.pool.check_integrity()
-    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
 
 
 def test_step_n_is_processed_after_step_n_plus_1_is_launched(engines):
@@ -130,3 +118,21 @@ def test_bad_overlap_value_is_refused(checkpoint):
     from backends.config import EngineConfig
     with pytest.raises(ValueError, match="overlap"):
         EngineConfig(model_path=checkpoint("llama"), overlap="yes")
+
+
+@pytest.mark.server
+def test_llm_and_router_with_overlap_equal_transformers(default_model, tmp_path_factory):
+    """Through tritonserver, every engine with overlap on: `llm` and `router` (prefill and
+    decode both overlapping) stream transformers' greedy text, prompts at once."""
+    from tests.server import TritonServer, free_port
+    from tests.test_router import PROMPTS, disagg_parameters, run_all
+    from tests.test_server import greedy_ids
+    parameters = {model: {**knobs, "overlap": "on"} for model, knobs in disagg_parameters(free_port()).items()}
+    server = TritonServer(str(tmp_path_factory.mktemp("repo_overlap")), models=["llm", "prefill", "decode", "router"],
+                          parameters=parameters)
+    with server:
+        for model in ("llm", "router"):
+            for prompt, result in zip(PROMPTS, run_all(server.grpc_url, model, PROMPTS)):
+                assert result.error is None and result.token_ids == greedy_ids(prompt, 32), (model, prompt[:40])
+        for model in ("llm", "prefill", "decode"):
+            assert server.wait_kv_full(model), model

@@ -9,7 +9,7 @@ import torch
 from backends.config import EngineConfig
 from backends.engine import Engine, InvalidRequest
 from backends.request import SamplingParams
-from tests.engine_utils import collect, small_engine, token_ids
+from tests.engine_utils import assert_pool_whole, collect, small_engine, token_ids
 from tests.test_model_parity import prompts
 
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24)
@@ -20,16 +20,6 @@ def engine(checkpoint, request):
     eng = small_engine(checkpoint("llama"), overlap=request.param)
     yield eng
     eng.stop()
-
-
-def assert_pool_whole(engine):
-    # with overlap a request's pages come back after the step in flight at its end
-    for _ in range(100):
-        if engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]:
-            break
-        threading.Event().wait(0.05)
-    engine.runner.pool.check_integrity()
-    assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
 
 
 def test_preemption_keeps_outputs_exact(checkpoint, engine):
@@ -168,7 +158,10 @@ def test_before_process_runs_between_a_forward_and_its_outputs(engine, monkeypat
     finally:
         engine.scheduler.before_process = None
     steps = [i for i, e in enumerate(events) if e == "out"]
-    assert steps and all(events[i - 2:i] == ["forward", "hook"] for i in steps)
+    # each step's output (one here) right after a hook, and after that step's forward (with
+    # overlap the next step's forward may start before it)
+    assert steps and all(events[i - 1] == "hook" for i in steps)
+    assert all(events[:i].count("forward") >= k + 1 for k, i in enumerate(steps))
 
 
 def test_bad_prompts_are_refused(engine):

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Overlap scheduling off vs on, side by side in one run: one tritonserver serves `llm`,
+# `router` (with `prefill`, `decode`) as configured, and copies of all four with
+# `overlap` "on" (`llm_overlap`, `router_overlap` -> `prefill_overlap`, `decode_overlap`);
+# `python -m client.bench` (genai-perf) sweeps LEVELS over every target, ROUNDS times,
+# each target through every level in turn. Never run in CI (minutes of full load).
+#
+#   OUT=artifacts/bench-overlap ROUNDS=2 bash scripts/bench_overlap.sh
+#
+# Environment: OUT, ROUNDS (2), LEVELS ("1 8 16"), REQUESTS (32 per level),
+# TARGETS ("llm router"), PORT_BASE (18300: http, +1 grpc, +2 metrics).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/artifacts/bench-overlap}
+ROUNDS=${ROUNDS:-2}
+LEVELS=${LEVELS:-"1 8 16"}
+REQUESTS=${REQUESTS:-32}
+TARGETS=${TARGETS:-"llm router"}
+PORT_BASE=${PORT_BASE:-18300}
+REPO=$OUT/repo
+rm -rf "$REPO" && mkdir -p "$REPO"
+
+set_param() {  # file key value: the parameter block's string_value
+    python3 - "$@" <<'PY'
+import re, sys
+path, key, value = sys.argv[1:]
+text = open(path).read()
+text, n = re.subn(r'(key: "%s"\s*value: \{ string_value: ")[^"]*(")' % re.escape(key),
+                  lambda m: m.group(1) + value + m.group(2), text)
+assert n == 1, f"{path}: no parameter {key}"
+open(path, "w").write(text)
+PY
+}
+
+for m in llm router prefill decode; do
+    cp -r "model_repository/$m" "$REPO/$m"
+    cp -r "model_repository/$m" "$REPO/${m}_overlap"
+    sed -i "s/^name: \"$m\"/name: \"${m}_overlap\"/" "$REPO/${m}_overlap/config.pbtxt"
+done
+rm -rf "$REPO"/*/1/__pycache__
+for m in llm prefill decode; do set_param "$REPO/${m}_overlap/config.pbtxt" overlap on; done
+set_param "$REPO/prefill_overlap/config.pbtxt" nixl_port 17556
+set_param "$REPO/decode_overlap/config.pbtxt" prefill_address 127.0.0.1:17556
+set_param "$REPO/router_overlap/config.pbtxt" prefill_model prefill_overlap
+set_param "$REPO/router_overlap/config.pbtxt" decode_model decode_overlap
+
+loads=""
+targets=""
+for t in $TARGETS; do
+    for m in $t ${t}_overlap; do
+        loads="$loads --load-model $m"
+        targets="$targets --target $m=grpc://localhost:$((PORT_BASE + 1))"
+    done
+    if [ "$t" = router ]; then
+        loads="$loads --load-model prefill --load-model decode --load-model prefill_overlap --load-model decode_overlap"
+    fi
+done
+
+echo "== tritonserver (log $OUT/server.log)"
+setsid .venv/bin/tritonserver --model-repository "$REPO" --model-control-mode explicit $loads \
+    --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) --metrics-port $((PORT_BASE + 2)) \
+    >"$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+    curl -sf -m 2 "http://127.0.0.1:$PORT_BASE/v2/health/ready" -o /dev/null && break
+    kill -0 $SERVER 2>/dev/null || { tail -30 "$OUT/server.log"; exit 1; }
+    sleep 1
+done
+lscpu | grep -m1 "Model name" | tee "$OUT/cpu.txt"
+runs=""
+for r in $(seq "$ROUNDS"); do
+    echo "== round $r"
+    .venv/bin/python -m client.bench $targets --concurrency $LEVELS --requests "$REQUESTS" \
+        --out "$OUT/round-$r"
+    runs="$runs $OUT/round-$r/bench.json"
+done
+[ "$ROUNDS" -gt 1 ] && .venv/bin/python -m client.bench --rounds $runs | tee "$OUT/rounds.txt"
