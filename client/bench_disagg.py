@@ -6,7 +6,7 @@ process (real NIXL transports) serve the same prompts; printed side by side from
 one run: time to the first token at prefill (what the router streams first),
 time until decode holds the KV and emits that token (TTFT of the decode stream),
 KV bytes moved per request, the bandwidth the writes achieved, and raw NIXL
-bandwidth measured by `backends.disagg.transport` in the same run.
+bandwidth measured by `client.bench_transport` in the same run.
 
 --shaped-link (root): the same comparison between two "hosts". The prefill
 engine and the decode engine run as two plain Python processes (the engine
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from backends.config import DEFAULT_MODEL_DIR
 from backends.disagg.local import Pair
-from backends.disagg.transport import bench as raw_bench
+from client.bench_transport import bench as raw_bench
 from backends.request import SamplingParams
 
 
@@ -132,7 +132,7 @@ NIXL_PORT = 17655             # the prefill engine's NIXL listen port (inside it
 CALIBRATION_RATE = "10gbit"   # the link while the compute is timed: the transfer then costs ~nothing
 # tbf counts whole frames: TCP over a 1500-byte MTU carries 1448 payload bytes per 1514-byte frame
 WIRE_OVERHEAD = 1514 / 1448
-RAW_LAYERS, RAW_GROUP = 8, 2  # the raw bench's buffers, as `python -m backends.disagg.transport --bench`
+RAW_LAYERS, RAW_GROUP = 8, 2  # the raw bench's buffers, as `python -m client.bench_transport`
 REPLY = "@@ "                 # prefix of a host's replies on its stdout; every other line is a log line
 HOST_TIMEOUT_S = 900
 
@@ -329,9 +329,10 @@ class PrefillHost:
         """Raw NIXL WRITE bandwidth into the decode host's raw receiver, timed as the transport's
         own bench times it: one region, and layer groups (the hand-off's pattern)."""
         import numpy as np
-        from backends.disagg.transport import KVTransport, _bench_buffers, _timed
+        from backends.disagg.transport import KVTransport
+        from client.bench_transport import bench_buffers, timed
 
-        kv, meta = _bench_buffers(mb, RAW_LAYERS)
+        kv, meta = bench_buffers(mb, RAW_LAYERS)
         kv.uniform_()
         peer, out = "tandem-raw-recv", {}
         with KVTransport("tandem-raw-send", kv, meta) as t:
@@ -343,7 +344,7 @@ class PrefillHost:
             patterns = {"one region": lambda: [t._post(peer, whole, "DRAM", remote, "DRAM", None)],
                         "layer groups": lambda: [t.write_kv(peer, pages, pages, g) for g in groups]}
             for name, post in patterns.items():
-                secs, nbytes, _ = _timed(t, post, repeats)
+                secs, nbytes, _ = timed(t, post, repeats)
                 out[name] = nbytes / secs
             t.send_message(peer, b"stop")
         return out
@@ -364,9 +365,10 @@ class DecodeHost:
         return {"start_at": start, "first_at": first}
 
     def raw_recv(self, mb: int) -> dict:
-        from backends.disagg.transport import KVTransport, _bench_buffers
+        from backends.disagg.transport import KVTransport
+        from client.bench_transport import bench_buffers
 
-        t = KVTransport("tandem-raw-recv", *_bench_buffers(mb, RAW_LAYERS))
+        t = KVTransport("tandem-raw-recv", *bench_buffers(mb, RAW_LAYERS))
         threading.Thread(target=self._serve_raw, args=(t,), daemon=True).start()
         return {"port": t.port}
 

@@ -1,11 +1,13 @@
 """Streaming over Triton gRPC: one function shared by the CLI, tests and tools."""
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
+
+from backends.grpc_stream import numpy_inputs, stream_events
+
+__all__ = ["StreamResult", "absorb", "build_inputs", "numpy_inputs", "stream_events", "stream_generate"]
 
 
 @dataclass
@@ -35,50 +37,6 @@ def build_inputs(prompt: str, max_tokens: int | None = None, stream: bool = True
         values["stop_words"] = np.array([s.encode() for s in stop], dtype=np.object_)
     values.update(extra)
     return numpy_inputs(values)
-
-
-def numpy_inputs(values: dict[str, np.ndarray]):
-    """tritonclient InferInputs from numpy arrays, the Triton datatype read off each array."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, array in values.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
-def stream_events(url: str, model: str, inputs, request_id: str = "", timeout_s: float = 300
-                  ) -> Iterator[tuple[str | None, dict | None]]:
-    """Yields (error, outputs) per response of one streamed request until the final one."""
-    import tritonclient.grpc as grpcclient
-
-    events: queue.Queue = queue.Queue()
-
-    def callback(result, error):
-        events.put((result, error))
-
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=callback)
-    try:
-        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
-        while True:
-            result, error = events.get(timeout=timeout_s)
-            if error is not None:
-                yield str(error), None
-                return
-            response = result.get_response()
-            final = response.parameters.get("triton_final_response")
-            outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-            if outputs:
-                yield None, outputs
-            if final is not None and final.bool_param:
-                return
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
 
 
 def stream_generate(url: str, model: str, prompt: str, **kwargs) -> StreamResult:

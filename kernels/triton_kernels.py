@@ -1,4 +1,4 @@
-"""Triton-language kernels for paged attention, RMSNorm and rotary embedding.
+"""Triton-language kernels for paged attention (KV store, decode, extend).
 
 This is the only module that imports triton. Set TRITON_INTERPRET=1 *before*
 importing it to run the kernels on CPU tensors (triton decides at decoration
@@ -204,7 +204,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     merged by their log-sum-exp (phase 2).
     """
     page_size, hkv, dim, hq = _check_attention_args(q, out, k_cache, v_cache, page_table)
-    t = q.shape[0]
     _check(rows.shape == seqs.shape and rows.dim() == 1, "rows/seqs", "[Bd] each",
            (tuple(rows.shape), tuple(seqs.shape)))
     bd = rows.shape[0]
@@ -310,98 +309,3 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), page_size,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(dim),
         UPCAST=INTERPRETED)
-
-
-# --------------------------------------------------------------------------- RMSNorm
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, n_cols,
-                     stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(res_out_ptr + row * stride_ro + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim of x [..., H] in fp32. With `residual`, normalizes
-    x + residual and returns (out, x + residual); otherwise returns out."""
-    h = x.shape[-1]
-    _check(weight.shape == (h,), "weight", (h,), tuple(weight.shape))
-    if residual is not None:
-        _check(residual.shape == x.shape, "residual", tuple(x.shape), tuple(residual.shape))
-    x2 = x.reshape(-1, h)
-    r2 = residual.reshape(-1, h) if residual is not None else x2
-    out = torch.empty_like(x2)
-    res_out = torch.empty_like(r2) if residual is not None else out
-    for t in (x2, r2, weight):
-        _check(t.stride(-1) == 1, "last stride", 1, t.stride(-1))
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, res_out, eps, h,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=_block(h))
-    out = out.view(x.shape)
-    return (out, res_out.view(x.shape)) if residual is not None else out
-
-
-# --------------------------------------------------------------------------- rotary
-
-
-@triton.jit
-def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                 stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    mask = i < HALF
-    pos = tl.load(pos_ptr + tok)
-    cos = tl.load(cos_ptr + pos * stride_c + i, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_c + i, mask=mask, other=0.0).to(tl.float32)
-    base = x_ptr + tok * stride_xt + head * stride_xh
-    x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    obase = out_ptr + tok * stride_ot + head * stride_oh
-    dt = out_ptr.dtype.element_ty
-    tl.store(obase + i, (x1 * cos - x2 * sin).to(dt), mask=mask)
-    tl.store(obase + HALF + i, (x2 * cos + x1 * sin).to(dt), mask=mask)
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor) -> torch.Tensor:
-    """Neox / Llama (rotate_half) rotary embedding of x [T, H, D] at positions [T];
-    cos, sin [max_pos, D // 2] hold cos/sin(pos * inv_freq). Returns a new tensor."""
-    t, heads, dim = x.shape
-    _check(dim % 2 == 0, "head dim", "even", dim)
-    _check(positions.shape == (t,), "positions", (t,), tuple(positions.shape))
-    _check(cos.dim() == 2 and cos.shape[1] == dim // 2 and sin.shape == cos.shape,
-           "cos/sin", f"[max_pos, {dim // 2}] each", (tuple(cos.shape), tuple(sin.shape)))
-    _check(x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride(),
-           "x/cos/sin strides", "last stride 1, cos and sin alike", (x.stride(), cos.stride(), sin.stride()))
-    out = torch.empty_like(x)
-    if t:
-        _rope_kernel[(t, heads)](
-            x, out, positions, cos, sin, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            cos.stride(0), HALF=dim // 2, BLOCK=_block(dim // 2))
-    return out
-
-
-def rope_cos_sin(max_pos: int, dim: int, theta: float = 10000.0, device="cpu"):
-    """cos, sin [max_pos, dim // 2] fp32 for `rotary`."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim))
-    ang = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
-    return ang.cos().float().contiguous(), ang.sin().float().contiguous()
-
-
-__all__ = ["INTERPRETED", "store_kv", "paged_decode", "paged_extend", "decode_num_splits", "rms_norm",
-           "rotary", "rope_cos_sin"]

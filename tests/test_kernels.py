@@ -284,47 +284,6 @@ def test_decode_num_splits():
     assert tk.decode_num_splits(4, 8, 0, 32, target_programs=264) == 1
 
 
-# --------------------------------------------------------------------------- RMSNorm, rotary
-
-
-def rms_norm_ref(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 48), (torch.float16, 64)])
-def test_rms_norm(device, dtype, hidden):
-    g = torch.Generator().manual_seed(0)
-    x, r = (torch.randn(2, 3, hidden, generator=g).to(dtype).to(device) for _ in range(2))
-    w = torch.randn(hidden, generator=g).to(dtype).to(device)
-    t = tol(dtype, device)
-    torch.testing.assert_close(tk.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), atol=t, rtol=t)
-    out, res = tk.rms_norm(x, w, 1e-6, residual=r)
-    torch.testing.assert_close(res, x + r, atol=t, rtol=t)
-    torch.testing.assert_close(out, rms_norm_ref(x.float() + r.float(), w, 1e-6).to(dtype),
-                               atol=t, rtol=t)
-
-
-def rotate_half_ref(x, positions, cos, sin):
-    """Hugging Face Llama: x * cos + rotate_half(x) * sin, cos/sin repeated twice."""
-    c = torch.cat([cos, cos], -1)[positions][:, None]
-    s = torch.cat([sin, sin], -1)[positions][:, None]
-    x1, x2 = x.float().chunk(2, -1)
-    return (x.float() * c + torch.cat([-x2, x1], -1) * s).to(x.dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,dim", [(torch.float32, 16), (torch.bfloat16, 24)])
-def test_rotary(device, dtype, dim):
-    cos, sin = tk.rope_cos_sin(64, dim, device=device)
-    x = torch.randn(5, 3, dim).to(dtype).to(device)
-    pos = torch.tensor([0, 7, 7, 63, 2], device=device)
-    t = tol(dtype, device)
-    torch.testing.assert_close(tk.rotary(x, pos, cos, sin), rotate_half_ref(x, pos, cos, sin),
-                               atol=t, rtol=t)
-
-
 # --------------------------------------------------------------------------- flashinfer
 
 

@@ -146,8 +146,7 @@ class PrefillRole:
                      self.cfg.pipeline_min_tokens, SMALL_MODEL_LAYERS, self.cfg.pipeline,
                      self.cfg.pipeline_group_size, num_layers)
             self.fallback_logged = True
-        lead = 1 if self.cfg.pipeline_group_size == 0 else 0   # adaptive: the link starts after one layer
-        ends = {g.stop - 1: g for g in layer_groups(num_layers, size, lead)}
+        ends = {g.stop - 1: g for g in layer_groups(num_layers, size)}
         on_gpu = self.scheduler.runner.device.type == "cuda"
         trace = self.worker.trace
 

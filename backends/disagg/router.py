@@ -109,12 +109,12 @@ class RemoteChild:
         self.url, self.model = url, model
 
     def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, dict]]:
-        from client.stream import numpy_inputs, stream_events
+        from backends.grpc_stream import numpy_inputs, stream_events
         for error, outputs in stream_events(self.url, self.model, numpy_inputs(tensors), timeout_s=600):
             yield error, outputs or {}
 
     def cancel(self, room: int) -> None:
-        from client.stream import numpy_inputs, stream_events
+        from backends.grpc_stream import numpy_inputs, stream_events
         inputs = numpy_inputs({"text_input": np.array([b"-"], dtype=np.object_),
                                "cancel_room": np.array([room], dtype=np.uint64)})
         for _ in stream_events(self.url, self.model, inputs, timeout_s=30):
