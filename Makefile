@@ -1,5 +1,5 @@
 # Tandem: the two commands of the README, and their parts.
-.PHONY: setup serve demo test configs bench-peers
+.PHONY: setup serve demo test configs bench-peers gpu-check
 
 setup:            ## everything from nothing (idempotent): apt packages, .venv, default model
 	bash scripts/setup.sh
@@ -12,6 +12,9 @@ demo: setup       ## like serve, but stop the server after the demo answer
 
 test: setup       ## the whole test suite
 	.venv/bin/python -m pytest -q tests
+
+gpu-check:        ## the CUDA path on a GPU box (CUDA steps skip without one): see scripts/gpu_check.sh
+	bash scripts/gpu_check.sh
 
 configs:          ## regenerate the engine models' config.pbtxt from backends/config.py
 	.venv/bin/python scripts/gen_config.py

@@ -24,7 +24,8 @@ class EngineConfig:
     model_path: str = field(default=DEFAULT_MODEL_DIR, metadata={
         "doc": "Hugging Face checkpoint directory; TANDEM_MODEL_PATH overrides it"})
     role: str = field(default="colocated", metadata={"doc": "colocated, prefill or decode (set by each model)"})
-    device: str = field(default="auto", metadata={"doc": "auto (cuda if present, else cpu), cpu, cuda or cuda:N"})
+    device: str = field(default="auto", metadata={
+        "doc": "auto (cuda if present, else cpu; TANDEM_DEVICE overrides auto), cpu, cuda or cuda:N"})
     dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu), float32, bfloat16 or float16"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else torch; CPU: the C decode kernel where it builds, "
@@ -87,7 +88,9 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            # TANDEM_DEVICE pins `auto` (the test suite sets cpu: its references are fp32 on the CPU)
+            chosen = os.environ.get("TANDEM_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+            return torch.device(chosen)
         return torch.device(self.device)
 
     @property

@@ -36,3 +36,10 @@ fi
 
 echo "== default model"
 "$VENV/bin/python" -m backends.prepare_model
+
+# What `make gpu-check` carries to a GPU box (wheels for its Python 3.12, tiny checkpoints):
+# not needed here, so a download failure only warns.
+if [ ! -d .gpu-check/checkpoints/qwen3 ] || [ scripts/gpu_wheels.txt -nt .gpu-check/wheels ]; then
+    echo "== .gpu-check (for make gpu-check on a GPU box)"
+    bash scripts/gpu_prepare.sh || echo "warning: .gpu-check not prepared; make gpu-check needs it on a GPU box" >&2
+fi

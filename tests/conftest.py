@@ -13,6 +13,11 @@ try:
 except ImportError:
     pass
 
+# Engines whose device is `auto` run on the CPU in fp32 (the references' precision) on any
+# machine, a GPU box included; CUDA tests ask for cuda themselves. TANDEM_DEVICE=cuda runs
+# the suite's engines on the GPU instead.
+os.environ.setdefault("TANDEM_DEVICE", "cpu")
+
 import pytest  # noqa: E402
 
 from tests.checkpoints import make_checkpoint  # noqa: E402

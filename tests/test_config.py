@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from backends.config import EngineConfig
 from backends.disagg.config import DisaggConfig
@@ -95,3 +96,12 @@ def test_router_refuses_an_unknown_parameter_at_load(tmp_path):
     server.stop()
     with open(server.log_path) as f:
         assert "router: unknown parameter 'prefil_url' in config.pbtxt" in f.read()
+
+
+def test_tandem_device_pins_auto_and_an_explicit_device_wins(monkeypatch):
+    from backends.config import EngineConfig
+    monkeypatch.setenv("TANDEM_DEVICE", "cpu")
+    assert EngineConfig().torch_device.type == "cpu" and EngineConfig().torch_dtype == torch.float32
+    monkeypatch.setenv("TANDEM_DEVICE", "cuda")
+    assert EngineConfig().torch_device.type == "cuda" and EngineConfig().torch_dtype == torch.bfloat16
+    assert EngineConfig(device="cpu").torch_device.type == "cpu"
