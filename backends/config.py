@@ -48,6 +48,12 @@ class EngineConfig:
     core_turns: str = field(default="auto", metadata={
         "doc": "cpu: on = take turns at shared cores with the other engines of this host (one forward at a "
                "time, prefill first); off; auto = on for prefill and decode, off for colocated"})
+    dllm_threshold: float = field(default=0.95, metadata={
+        "doc": "block-diffusion models: a masked position is revealed when its confidence reaches this "
+               "(0 < t <= 1; 1 reveals one position a step)"})
+    dllm_mixed_batches: str = field(default="off", metadata={
+        "doc": "block-diffusion models: on = prefill and denoising work share steps (for comparison; off "
+               "keeps them apart)"})
     overlap: str = field(default="off", metadata={
         "doc": "on = the next step is scheduled and launched while the last one's tokens are streamed (a "
                "forward thread runs the steps, a decode's input token is resolved when its step starts); off"})
@@ -60,6 +66,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.core_turns not in ("auto", "on", "off"):
             raise ValueError(f"core_turns must be auto, on or off, got {self.core_turns!r}")
+        if not 0 < self.dllm_threshold <= 1:
+            raise ValueError(f"dllm_threshold must be > 0 and <= 1, got {self.dllm_threshold!r}")
+        if self.dllm_mixed_batches not in ("on", "off"):
+            raise ValueError(f"dllm_mixed_batches must be on or off, got {self.dllm_mixed_batches!r}")
         if self.overlap not in ("on", "off"):
             raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
         parse_cores(self.cpu_cores)

@@ -15,6 +15,7 @@ from typing import Callable
 
 from backends.config import EngineConfig
 from backends.detokenizer import IncrementalDetokenizer
+from backends.model_config import ModelConfig
 from backends.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from backends.runner import ModelRunner
 from backends.role import Role
@@ -28,9 +29,22 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def refuse_dllm_settings(cfg: EngineConfig, role: Role | None) -> None:
+    """What a block-diffusion checkpoint cannot be served with, refused before it loads."""
+    if not ModelConfig.load(cfg.model_path).is_dllm:
+        return
+    if role is not None or cfg.role != "colocated":
+        raise ValueError(f"{cfg.model_path} is a block-diffusion model: disaggregated prefill/decode is not "
+                         "supported for it; serve it with `llm`")
+    if cfg.overlap == "on":
+        raise ValueError(f"{cfg.model_path} is a block-diffusion model: overlap is not supported for it "
+                         "(a step's input is the block the step before it revealed)")
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, role: Role | None = None, tokenizer=None):
         self.cfg = cfg
+        refuse_dllm_settings(cfg, role)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_path)
         self.runner = ModelRunner(cfg)
         eos = self.runner.model.cfg.eos_token_ids or (self.tokenizer.eos_token_id,)
@@ -54,6 +68,9 @@ class Engine:
                      room: int | None = None) -> Request:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
+        if self.runner.model.cfg.is_dllm and params.temperature > 0:
+            raise InvalidRequest(f"temperature {params.temperature:g}: serving a block-diffusion model is greedy "
+                                 "(temperature 0)")
         if params.end_id is not None and params.end_id >= self.runner.model.cfg.vocab_size:
             raise InvalidRequest(f"end_id {params.end_id} is not a token id of this model "
                                  f"(vocabulary of {self.runner.model.cfg.vocab_size})")

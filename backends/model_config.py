@@ -42,6 +42,13 @@ class ModelConfig:
     qk_norm: bool
     rope: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    # A block-diffusion LM (config.json's dllm_block_size and mask_token_id): 0 / None otherwise.
+    dllm_block_size: int = 0
+    mask_token_id: int | None = None
+
+    @property
+    def is_dllm(self) -> bool:
+        return self.dllm_block_size > 0
 
     @staticmethod
     def load(path: str) -> "ModelConfig":
@@ -64,6 +71,7 @@ class ModelConfig:
         if raw.get("sliding_window") and raw.get("use_sliding_window", arch == "MistralForCausalLM"):
             max_pos = min(max_pos, raw["sliding_window"])  # never attend past the window
         eos = raw.get("eos_token_id")
+        block, mask = dllm_keys(raw)
         return ModelConfig(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -80,7 +88,23 @@ class ModelConfig:
             qk_norm=qk_norm,
             rope=rope_parameters(raw),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            dllm_block_size=block,
+            mask_token_id=mask,
         )
+
+
+def dllm_keys(raw: dict) -> tuple[int, int | None]:
+    """(block size, mask id) of a block-diffusion checkpoint, (0, None) of an autoregressive one."""
+    block, mask = raw.get("dllm_block_size"), raw.get("mask_token_id")
+    if (block is None) != (mask is None):
+        have, lack = ("dllm_block_size", "mask_token_id") if mask is None else ("mask_token_id", "dllm_block_size")
+        raise UnsupportedModelError(f"config.json has {have} but not {lack}: a block-diffusion model needs both")
+    if block is None:
+        return 0, None
+    if not isinstance(block, int) or block < 1 or not isinstance(mask, int) or not 0 <= mask < raw["vocab_size"]:
+        raise UnsupportedModelError(f"dllm_block_size must be an integer >= 1 and mask_token_id an id of the "
+                                    f"vocabulary, got {block!r} and {mask!r}")
+    return block, mask
 
 
 def generation_eos(path: str) -> int | list[int] | None:

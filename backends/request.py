@@ -96,6 +96,10 @@ class Request:
         # samples: the next step's input, resolved on the forward thread when it starts.
         self.futures: list[tuple[int, int]] = []
         self.last_step = -1   # the latest step whose forward reads this request's pages
+        # Block diffusion (backends.dllm): the block being denoised (mask ids where not yet
+        # revealed), from position block_start; None for an autoregressive request.
+        self.block: list[int] | None = None
+        self.block_start = 0
         self.pages: list[int] = []
         self.status = Status.WAITING
         self.arrival = next(_arrival)
@@ -109,6 +113,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        if self.block is not None:
+            return self.block_start + len(self.block)
         return len(self.prompt_ids) + len(self.output_ids) + len(self.futures)
 
     @property
@@ -124,7 +130,9 @@ class Request:
     def token_slice(self, start: int, end: int) -> list[int | tuple[int, int]]:
         """Token ids of positions [start, end); a token still being sampled is its (step, row)."""
         n = len(self.prompt_ids)
-        if end <= n:
+        if end <= n and (self.block is None or end <= self.block_start):
             return self.prompt_ids[start:end]
+        if self.block is not None:
+            return ((self.prompt_ids + self.output_ids)[:self.block_start] + self.block)[start:end]
         known = self.prompt_ids + self.output_ids
         return (known + self.futures)[start:end] if end > len(known) else known[start:end]

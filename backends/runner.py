@@ -19,6 +19,7 @@ from backends.model import load_model
 from backends.request import Request
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
+from kernels.torch_ref import TorchAttention
 
 
 @dataclass
@@ -68,9 +69,16 @@ class ModelRunner:
         self.pool = PagePool(self._num_pages(), cfg.page_size)
         self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
                                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
-        self.attn = create_backend(self.attention_backend, self.device)
-        self.model.decoder = pick_decoder(self.model, self.attn)
+        if mc.is_dllm:  # block-causal attention: the torch backend's masks, no fused decoder
+            if cfg.attention_backend not in ("auto", "torch"):
+                raise ValueError(f"attention_backend {cfg.attention_backend!r} has no block-causal attention "
+                                 "for this block-diffusion model: use auto or torch")
+            self.attention_backend, self.attn = "torch", TorchAttention(mc.dllm_block_size)
+            self.model.decoder = None
+        else:
+            self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
+            self.attn = create_backend(self.attention_backend, self.device)
+            self.model.decoder = pick_decoder(self.model, self.attn)
         self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
 
     def _num_pages(self) -> int:
@@ -94,8 +102,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             q_lens.append(n)
             kv_lens.append(start + n)
-            if start + n == req.num_tokens:
-                rows.append(len(ids) - 1)
+            if start + n == req.num_tokens:  # it samples: its last row, or a diffusion block's rows
+                wanted = len(req.block) if req.block is not None else 1
+                rows.extend(range(len(ids) - wanted, len(ids)))
         meta = AttentionMetadata.build(q_lens, kv_lens, [r.pages for r, _ in batch.items],
                                        self.cfg.page_size, self.device)
         return StepInputs(ids, positions, rows, self.attn.plan(meta), futures)

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from backends import dllm
 from backends.config import EngineConfig
 from backends.request import Request, RequestOutput, Status
 from backends.role import ColocatedRole, Role
@@ -68,6 +69,9 @@ class Scheduler:
         # idles): the Triton adapter waits there for the previous step's sends, so they overlap
         # this step's forward yet a stream's responses keep their order.
         self.before_process: Callable[[], None] | None = None
+        # A block-diffusion model (backends.dllm): its block size, else 0.
+        self.dllm_block, self.mask_id = runner.model.cfg.dllm_block_size, runner.model.cfg.mask_token_id
+        self.last_dllm_mode = "prefill"
         self.overlap = cfg.overlap == "on"
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap else None
         self.in_flight: Step | None = None
@@ -143,7 +147,7 @@ class Scheduler:
         forward thread (on). Progress counts from the launch, so the next schedule sees it."""
         number, self.steps_launched = self.steps_launched, self.steps_launched + 1
         hook = self.role.layer_hook(batch)
-        banned = [self._banned(req) for req in batch.samples]
+        banned = [] if self.dllm_block else [self._banned(req) for req in batch.samples]
         try:
             inputs = self.runner.prepare(batch)
         except Exception as exc:
@@ -174,6 +178,8 @@ class Scheduler:
                 hidden = self.runner.forward(inputs, hook)
                 if not batch.samples:
                     return [], None, {}
+                if self.dllm_block:  # every position of each block: the reveal is the loop's
+                    return self.runner.model.logits(hidden), None, {}
                 try:
                     tokens, logprobs = sample(self.runner.model, hidden, batch.samples, banned,
                                               self.role.carries_logprobs)
@@ -228,6 +234,8 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> Batch | None:
+        if self.dllm_block:
+            return self._schedule_dllm()
         budget = self.cfg.step_budget(sum(1 for req in self.running if req.num_pending == 1))
         items = []
         for req in list(self.running):
@@ -250,6 +258,52 @@ class Scheduler:
             items.append((req, n))
             budget -= n
         return Batch(items) if items else None
+
+    def _schedule_dllm(self) -> Batch | None:
+        """Block diffusion: denoising work and prefill work (whole prompt blocks) never share a
+        step; with both waiting they take turns, and a kind that cannot run this step (no
+        pages) leaves the step to the other. dllm_mixed_batches on puts them together, kept
+        to measure what mixing costs."""
+        if self.cfg.dllm_mixed_batches == "on":
+            kinds = ["both"]
+        else:
+            kinds = ["decode", "prefill"] if self.last_dllm_mode == "prefill" else ["prefill", "decode"]
+        for kind in kinds:
+            items = self._dllm_items(kind)
+            if items:
+                self.last_dllm_mode = kind
+                return Batch(items)
+        return None
+
+    def _dllm_items(self, kind: str) -> list[tuple[Request, int]]:
+        block = self.dllm_block
+        budget = self.cfg.step_budget(sum(r.num_pending for r in self.running if not dllm.in_prefill(r, block)))
+        wanted = lambda req: kind == "both" or dllm.in_prefill(req, block) == (kind == "prefill")
+        size = lambda req: self._dllm_chunk(req, budget) if dllm.in_prefill(req, block) else req.num_pending
+        items = []
+        for req in list(self.running):
+            if req.status is Status.RUNNING and wanted(req) and 0 < (n := size(req)) <= budget \
+                    and self._grow(req, n, preempt=True):
+                items.append((req, n))
+                budget -= n
+        while self.waiting and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            if req.block is None:
+                dllm.start(req, block, self.mask_id)
+            if not wanted(req) or not 0 < (n := size(req)) <= budget or not self._grow(req, n, preempt=False):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            items.append((req, n))
+            budget -= n
+        return items
+
+    def _dllm_chunk(self, req: Request, budget: int) -> int:
+        """Prompt tokens of a prefill step: whole blocks, so a block is never cut."""
+        block = self.dllm_block
+        n = min(dllm.prefill_end(req, block) - req.num_computed, self.cfg.chunk_size, budget)
+        return max(n // block * block, block if budget >= block else 0)
 
     def _wants_step(self, req: Request) -> bool:
         """Whether computing its next token can matter: not when a sample in flight already
@@ -294,6 +348,8 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------
     def process(self, step: Step, tokens: list[int], logprobs: list[float] | None, errors: dict) -> None:
+        if self.dllm_block:
+            return self._process_dllm(step, tokens)
         for row, (req, token) in enumerate(zip(step.batch.samples, tokens)):
             if (step.number, row) in req.futures:
                 req.futures.remove((step.number, row))
@@ -304,6 +360,41 @@ class Scheduler:
                 self.finish(req, "error", error=f"sampling this request failed: {errors[row]}")
             else:
                 self.append_token(req, token, logprobs[row] if logprobs else None, self.stop_ids(req))
+
+    def _process_dllm(self, step: Step, logits: torch.Tensor) -> None:
+        """Reveal each block's confident positions; a block without masks is output."""
+        offset = 0
+        for req in step.batch.samples:
+            rows, offset = logits[offset:offset + len(req.block)], offset + len(req.block)
+            req.futures.clear()
+            if req.status is Status.FINISHED:
+                continue
+            req.num_computed = req.block_start  # the block's own KV counts once the block is final
+            try:
+                req.block = dllm.reveal(rows, req.block, self.mask_id, self.cfg.dllm_threshold)
+                if dllm.block_done(req.block, self.mask_id):
+                    self._dllm_output(req)
+            except Exception as exc:
+                log.error("request %s failed after its step: %s", req.id, traceback.format_exc())
+                self.finish(req, "error", error=f"internal error: {exc}")
+
+    def _dllm_output(self, req: Request) -> None:
+        """A finished block: its tokens after the prompt are output (up to eos, max_tokens, a
+        stop string), one response; then the next block starts."""
+        stop_ids = self.stop_ids(req)
+        for token in req.block[max(0, len(req.prompt_ids) - req.block_start):]:
+            if token in stop_ids:
+                return self.finish(req, "stop")
+            req.output_ids.append(token)
+            req.detok.add(token)
+            if req.detok.stopped:
+                return self.finish(req, "stop")
+            if len(req.output_ids) >= req.params.max_tokens or \
+                    len(req.prompt_ids) + len(req.output_ids) >= self.runner.max_context:
+                return self.finish(req, "length")
+        self.emit(req)
+        req.block_start += len(req.block)
+        req.block = [self.mask_id] * self.dllm_block
 
     def append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
         """Take a sampled token; a failure here (detokenizing, a stop check, a role's hand-off)

@@ -25,10 +25,14 @@ def kv_slots(page_table_row: torch.Tensor, kv_len: int, page_size: int) -> torch
     return page_table_row[pos // page_size].long() * page_size + pos % page_size
 
 
-def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[q_len, kv_len] additive mask: new token j sees positions <= kv_len - q_len + j."""
+def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device, block_size: int = 0) -> torch.Tensor:
+    """[q_len, kv_len] additive mask: new token j (position p = kv_len - q_len + j) sees the
+    positions <= p; with a block size B, the positions of its own block and those before
+    (block-causal: i sees j iff j // B <= i // B, as a block-diffusion model attends)."""
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
     k_pos = torch.arange(kv_len, device=device)
+    if block_size:
+        q_pos, k_pos = q_pos // block_size, k_pos // block_size
     blocked = k_pos[None, :] > q_pos[:, None]
     return torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(blocked, float("-inf"))
 
@@ -62,23 +66,31 @@ class TorchPlan:
     decodes: _Decodes | None
     extends: list[_Extend]
     masks: dict  # dtype -> decode mask / (extend index, dtype) -> extend mask, made on first use
+    block_size: int = 0  # block-causal attention (block-diffusion models), else 0: causal
 
 
 class TorchAttention(AttentionBackend):
+    """block_size > 0: block-causal attention for block-diffusion models (every sequence
+    then takes the extend path, whose mask is built for it)."""
+
     name = "torch"
+    block_size = 0
+
+    def __init__(self, block_size: int = 0):
+        self.block_size = block_size
 
     def plan(self, meta: AttentionMetadata) -> TorchPlan:
         dec_rows, dec_idx, extends = [], [], []
         start = 0
         for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
-            if q_len == 1:
+            if q_len == 1 and not self.block_size:
                 dec_rows.append(start)
                 dec_idx.append(i)
-            elif q_len > 1:
+            elif q_len > 1 or self.block_size:
                 slots = None if q_len == kv_len else kv_slots(meta.page_table[i], kv_len, meta.page_size)
                 extends.append(_Extend(start, q_len, slots, kv_len))
             start += q_len
-        return TorchPlan(meta, self._plan_decodes(meta, dec_rows, dec_idx), extends, {})
+        return TorchPlan(meta, self._plan_decodes(meta, dec_rows, dec_idx), extends, {}, self.block_size)
 
     @staticmethod
     def _plan_decodes(meta: AttentionMetadata, rows: list[int], idx: list[int]) -> _Decodes | None:
@@ -139,7 +151,7 @@ class TorchAttention(AttentionBackend):
         """q [n, Hq, D] of one sequence -> [n, Hq, D]."""
         e, gqa = plan.extends[i], q.shape[1] != k_cache.shape[2]
         qe = q.transpose(0, 1)[None]                                   # [1, Hq, n, D]
-        if e.slots is None and new_kv is not None:  # no prefix: the new K/V are the whole context
+        if e.slots is None and new_kv is not None and not plan.block_size:  # the new K/V are the whole context
             ke, ve = (t.transpose(0, 1)[None] for t in new_kv)
             o = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa)
             return o[0].transpose(0, 1)
@@ -149,6 +161,6 @@ class TorchAttention(AttentionBackend):
         ve = v_cache.view(-1, *v_cache.shape[2:])[slots].transpose(0, 1)[None]
         key = (i, q.dtype)
         if key not in plan.masks:
-            plan.masks[key] = causal_mask(e.length, e.kv_len, q.dtype, q.device)
+            plan.masks[key] = causal_mask(e.length, e.kv_len, q.dtype, q.device, plan.block_size)
         o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=plan.masks[key], scale=scale, enable_gqa=gqa)
         return o[0].transpose(0, 1)
