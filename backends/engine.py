@@ -68,6 +68,10 @@ class Engine:
                      room: int | None = None) -> Request:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty")
+        vocab = self.runner.model.cfg.vocab_size
+        if not all(0 <= t < vocab for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise InvalidRequest(f"the prompt has token id {bad}, outside this model's vocabulary of {vocab} ids")
         if self.runner.model.cfg.is_dllm and params.temperature > 0:
             raise InvalidRequest(f"temperature {params.temperature:g}: serving a block-diffusion model is greedy "
                                  "(temperature 0)")

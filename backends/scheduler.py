@@ -252,12 +252,16 @@ class Scheduler:
             n = min(req.num_pending, budget, self.cfg.chunk_size)
             if not self._grow(req, n, preempt=False):
                 break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            items.append((req, n))
+            items.append((self._admit(), n))
             budget -= n
         return Batch(items) if items else None
+
+    def _admit(self) -> Request:
+        """The head of the waiting queue joins the running batch."""
+        req = self.waiting.popleft()
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return req
 
     def _schedule_dllm(self) -> Batch | None:
         """Block diffusion: denoising work and prefill work (whole prompt blocks) never share a
@@ -292,10 +296,7 @@ class Scheduler:
                 dllm.start(req, block, self.mask_id)
             if not wanted(req) or not 0 < (n := size(req)) <= budget or not self._grow(req, n, preempt=False):
                 break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            items.append((req, n))
+            items.append((self._admit(), n))
             budget -= n
         return items
 

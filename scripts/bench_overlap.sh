@@ -21,17 +21,7 @@ PORT_BASE=${PORT_BASE:-18300}
 REPO=$OUT/repo
 rm -rf "$REPO" && mkdir -p "$REPO"
 
-set_param() {  # file key value: the parameter block's string_value
-    python3 - "$@" <<'PY'
-import re, sys
-path, key, value = sys.argv[1:]
-text = open(path).read()
-text, n = re.subn(r'(key: "%s"\s*value: \{ string_value: ")[^"]*(")' % re.escape(key),
-                  lambda m: m.group(1) + value + m.group(2), text)
-assert n == 1, f"{path}: no parameter {key}"
-open(path, "w").write(text)
-PY
-}
+source scripts/bench_lib.sh
 
 for m in llm router prefill decode; do
     cp -r "model_repository/$m" "$REPO/$m"
@@ -45,29 +35,16 @@ set_param "$REPO/decode_overlap/config.pbtxt" prefill_address 127.0.0.1:17556
 set_param "$REPO/router_overlap/config.pbtxt" prefill_model prefill_overlap
 set_param "$REPO/router_overlap/config.pbtxt" decode_model decode_overlap
 
-loads=""
+models=""
 targets=""
 for t in $TARGETS; do
     for m in $t ${t}_overlap; do
-        loads="$loads --load-model $m"
+        models="$models $m"
         targets="$targets --target $m=grpc://localhost:$((PORT_BASE + 1))"
     done
-    if [ "$t" = router ]; then
-        loads="$loads --load-model prefill --load-model decode --load-model prefill_overlap --load-model decode_overlap"
-    fi
+    if [ "$t" = router ]; then models="$models prefill decode prefill_overlap decode_overlap"; fi
 done
-
-echo "== tritonserver (log $OUT/server.log)"
-setsid .venv/bin/tritonserver --model-repository "$REPO" --model-control-mode explicit $loads \
-    --http-port "$PORT_BASE" --grpc-port $((PORT_BASE + 1)) --metrics-port $((PORT_BASE + 2)) \
-    >"$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill -- -$SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-    curl -sf -m 2 "http://127.0.0.1:$PORT_BASE/v2/health/ready" -o /dev/null && break
-    kill -0 $SERVER 2>/dev/null || { tail -30 "$OUT/server.log"; exit 1; }
-    sleep 1
-done
+start_server "$REPO" "$OUT/server.log" "$PORT_BASE" $models
 lscpu | grep -m1 "Model name" | tee "$OUT/cpu.txt"
 runs=""
 for r in $(seq "$ROUNDS"); do
@@ -76,4 +53,4 @@ for r in $(seq "$ROUNDS"); do
         --out "$OUT/round-$r"
     runs="$runs $OUT/round-$r/bench.json"
 done
-[ "$ROUNDS" -gt 1 ] && .venv/bin/python -m client.bench --rounds $runs | tee "$OUT/rounds.txt"
+if [ "$ROUNDS" -gt 1 ]; then .venv/bin/python -m client.bench --rounds $runs | tee "$OUT/rounds.txt"; fi

@@ -220,3 +220,53 @@ def test_what_a_dllm_cannot_do_is_refused(dllm_path, tmp_path):
     del config["mask_token_id"]
     with pytest.raises(UnsupportedModelError, match="dllm_block_size but not mask_token_id"):
         ModelConfig.from_dict(config)
+
+
+@pytest.mark.server
+def test_llm_serves_a_dllm_checkpoint_through_tritonserver(dllm_path, tmp_path_factory):
+    """The client sees nothing new: the same tensors, a stream of new text only (one piece
+    per block), the ids and text of the definition."""
+    from transformers import AutoTokenizer
+
+    from client.stream import stream_generate
+    from tests.server import TritonServer
+    tok = AutoTokenizer.from_pretrained(dllm_path)
+    eos = set(ModelConfig.load(dllm_path).eos_token_ids)
+    server = TritonServer(str(tmp_path_factory.mktemp("repo_dllm")), models=["llm"],
+                          parameters={"llm": {"model_path": dllm_path, "dllm_threshold": "0.5", "page_size": "4",
+                                              "num_pages": "256", "max_context": "512"}})
+    with server:
+        for prompt in ("in the", "123 45 a b c d and the"):  # ids inside the tiny vocabulary
+            ids = tok(prompt).input_ids
+            want = reference(dllm_path, ids, 0.5, 12, eos)
+            got = stream_generate(server.grpc_url, "llm", prompt, max_tokens=12)
+            assert got.error is None and got.token_ids == want, prompt
+            assert got.text == tok.decode(want, skip_special_tokens=True)
+            assert len(got.pieces) >= len(want) // 4
+        refused = stream_generate(server.grpc_url, "llm", "in the", max_tokens=4, temperature=0.7)
+        assert refused.error is not None and "greedy" in refused.error
+        outside = stream_generate(server.grpc_url, "llm", "Hi", max_tokens=4)  # id 26843 of a 512-id model
+        assert outside.error is not None and "vocabulary" in outside.error
+        assert server.wait_kv_full("llm")
+
+
+def test_an_end_id_inside_a_block_and_a_stop_string_cut_the_output(dllm_path):
+    """The block is denoised to its end, then the output stops before the end id (not
+    shown) or the stop string, at token granularity."""
+    from transformers import AutoTokenizer
+    p = prompts([13])[0]
+    full = reference(dllm_path, p, 0.5, 12, set())
+    end = full[5]  # inside the second block
+    cut = full[:full.index(end)]
+    engine = dllm_engine(dllm_path, 0.5)
+    try:
+        [outs] = collect(engine, [p], SamplingParams(max_tokens=12, end_id=end))
+        assert token_ids(outs) == cut and outs[-1].finish_reason == "stop"
+        assert reference(dllm_path, p, 0.5, 12, {end}) == cut
+        text = AutoTokenizer.from_pretrained(dllm_path).decode(full)
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        [outs] = collect(engine, [p], SamplingParams(max_tokens=12, stop=(stop,)))
+        assert "".join(o.text for o in outs) == text[:text.index(stop)] and outs[-1].finish_reason == "stop"
+        assert_pool_whole(engine)
+    finally:
+        engine.stop()

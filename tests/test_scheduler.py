@@ -169,6 +169,8 @@ def test_bad_prompts_are_refused(engine):
         engine.generate([], GREEDY, lambda o: None)
     with pytest.raises(InvalidRequest, match="context"):
         engine.generate([5] * engine.max_context, GREEDY, lambda o: None)
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.generate([5, engine.runner.model.cfg.vocab_size], GREEDY, lambda o: None)
     assert_pool_whole(engine)
 
 
