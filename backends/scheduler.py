@@ -173,7 +173,8 @@ class Scheduler:
         """Resolve the futures, run the forward, sample (the forward thread when overlap is on)."""
         try:
             for index, (step, row) in inputs.futures:
-                inputs.ids[index] = self.sampled[step][row]
+                # a failed step sampled nothing; its requests are finished and these rows dropped
+                inputs.ids[index] = self.sampled[step][row] if step in self.sampled else 0
             with torch.inference_mode():
                 hidden = self.runner.forward(inputs, hook)
                 if not batch.samples:

@@ -136,3 +136,32 @@ def test_llm_and_router_with_overlap_equal_transformers(default_model, tmp_path_
                 assert result.error is None and result.token_ids == greedy_ids(prompt, 32), (model, prompt[:40])
         for model in ("llm", "prefill", "decode"):
             assert server.wait_kv_full(model), model
+
+
+def test_a_failed_step_costs_the_next_step_nothing(checkpoint, monkeypatch):
+    """Step 0 fails while step 1, launched behind it, decodes step 0's request (a future
+    with no token) beside a new prompt: only step 0's request ends with the error."""
+    from backends.config import EngineConfig
+    from backends.engine import Engine
+    eng = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=64, threads=1, overlap="on"))
+    try:  # not started: this test turns the loop
+        forward, calls = eng.runner.forward, {"n": 0}
+
+        def first_fails(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure")
+            return forward(*args)
+        monkeypatch.setattr(eng.runner, "forward", first_fails)
+        a, b = [], []
+        eng.generate(prompts(2)[0], SamplingParams(max_tokens=4), a.append)
+        assert eng.scheduler.step()  # step 0: a's prefill, launched (it will fail)
+        eng.generate(prompts(2)[1], SamplingParams(max_tokens=4), b.append)
+        assert eng.scheduler.step() and len(eng.scheduler.in_flight.batch.items) == 2  # a's decode, b's prefill
+        for _ in range(20):
+            eng.scheduler.step()
+        assert a[-1].finish_reason == "error" and "injected failure" in a[-1].error
+        assert b[-1].finished and b[-1].error is None and len(token_ids(b)) == 4
+        assert_pool_whole(eng)
+    finally:
+        eng.stop()
