@@ -270,3 +270,17 @@ def test_an_end_id_inside_a_block_and_a_stop_string_cut_the_output(dllm_path):
         assert_pool_whole(engine)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "mistral"])
+def test_other_architectures_equal_the_definition(tmp_path, arch):
+    """The block-diffusion path is the model code's: q/k norms (qwen3), q/k/v biases (qwen2)."""
+    path = dllm_checkpoint(str(tmp_path / arch), block_size=4, arch=arch)
+    batch = prompts([5, 12, 19])
+    eos = set(ModelConfig.load(path).eos_token_ids)
+    engine = dllm_engine(path, 0.5)
+    try:
+        got = [token_ids(o) for o in collect(engine, batch, SamplingParams(max_tokens=10))]
+    finally:
+        engine.stop()
+    assert got == [reference(path, p, 0.5, 10, eos) for p in batch]
