@@ -57,6 +57,7 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.scale = cfg.head_dim ** -0.5
         self.decoder = None  # all layers in one call (kernels.decoder), set by the runner where it applies
+        self.mlp = None      # (layer, x) -> MLP output when it is not this model's alone (backends.dp)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -93,7 +94,7 @@ class LlamaModel:
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = self.rope_tables(positions)
-        if self.decoder is not None and after_layer is None:
+        if self.decoder is not None and after_layer is None and self.mlp is None:
             h = self.decoder(residual, cos, sin, kv, plan)
         else:
             h = None
@@ -101,7 +102,8 @@ class LlamaModel:
                 x = ops.add_rms_norm(residual, h, w.input_norm, eps)
                 h = self._attention(x, w, kv[i], cos, sin, attn, plan)
                 x = ops.add_rms_norm(residual, h, w.post_norm, eps)
-                h = self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
+                h = self.mlp(i, x) if self.mlp is not None else \
+                    self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
                 if after_layer is not None:
                     after_layer(i)
         return ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
@@ -117,6 +119,8 @@ class LlamaModel:
 
     def _attention(self, x, w: LayerWeights, kv_layer, cos, sin, attn, plan) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
+        if t == 0:
+            return x  # an idle batch (DP attention): no attention, only the MLP's collectives
         qkv = self.linear(x, w.qkv, w.qkv_bias)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is None:  # q and k heads share the rotation: one rope over both

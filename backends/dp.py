@@ -1,0 +1,56 @@
+"""DP attention's model half (issue 26, groundwork): attention stays with each rank's own
+requests, the MLP is tensor-parallel across the ranks.
+
+Every step the ranks first agree on how many tokens each brings (`DpMlp.begin_step`, an
+all-gather). In each layer every rank gathers all ranks' MLP inputs, computes its shard of
+the intermediate dimension for all of them, and the partial outputs are summed across the
+ranks (an all-reduce; gloo has no reduce-scatter), of which each rank keeps its own rows. A
+rank with no tokens still enters every collective with an empty batch (an idle batch); when
+no rank has tokens the step runs no forward at all. gloo on the CPU; NCCL on CUDA would take
+the same calls.
+
+Not built yet: the scheduler's per-step agreement and forward modes, the rank processes
+behind one Triton model, dispatch and cancellation (see the issue).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class DpMlp:
+    """The MLP of a LlamaModel as this rank's shard; set as `model.mlp`."""
+
+    def __init__(self, model, weights: dict[str, torch.Tensor], rank: int, size: int, group=None):
+        self.model, self.rank, self.size, self.group = model, rank, size, group
+        bounds = torch.tensor_split(torch.arange(model.cfg.intermediate_size), size)[rank]
+        lo, hi = int(bounds[0]), int(bounds[-1]) + 1
+        prep = lambda t: model.linear.prepare(t.to(device=model.device, dtype=model.dtype).contiguous())
+        self.gate_up, self.down = [], []
+        for i in range(model.cfg.num_layers):
+            p = f"model.layers.{i}.mlp."
+            gate, up = weights[p + "gate_proj.weight"][lo:hi], weights[p + "up_proj.weight"][lo:hi]
+            self.gate_up.append(prep(torch.cat([gate, up])))
+            self.down.append(prep(weights[p + "down_proj.weight"][:, lo:hi]))
+        self.counts = [0] * size
+
+    def begin_step(self, num_tokens: int) -> list[int]:
+        """Every rank's token count for this step (all ranks call it, in the same order)."""
+        mine = torch.tensor([num_tokens], dtype=torch.int64)
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        self.counts = [int(c) for c in every]
+        return self.counts
+
+    def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        longest = max(self.counts)
+        padded = x.new_zeros(longest, x.shape[1])
+        padded[:x.shape[0]] = x
+        gathered = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        everyone = torch.cat([g[:c] for g, c in zip(gathered, self.counts)])
+        ops, linear = self.model.ops, self.model.linear
+        partial = linear(ops.silu_mul(linear(everyone, self.gate_up[layer])), self.down[layer])
+        dist.all_reduce(partial, group=self.group)
+        start = sum(self.counts[:self.rank])
+        return partial[start:start + self.counts[self.rank]]
