@@ -9,13 +9,17 @@ rank with no tokens still enters every collective with an empty batch (an idle b
 no rank has tokens the step runs no forward at all. gloo on the CPU; NCCL on CUDA would take
 the same calls.
 
-Not built yet: the scheduler's per-step agreement and forward modes, the rank processes
-behind one Triton model, dispatch and cancellation (see the issue).
+`DpStep` is the loop's half: once a turn, before a step is launched, the ranks agree on
+their token counts; a rank with nothing to run then launches an idle batch if any other rank
+has tokens, and no rank runs a forward when none has. Not built yet: the rank processes
+behind one Triton model, dispatch and cancellation, the decode role (see the issue).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from backends.runner import Batch
 
 
 class DpMlp:
@@ -54,3 +58,21 @@ class DpMlp:
         dist.all_reduce(partial, group=self.group)
         start = sum(self.counts[:self.rank])
         return partial[start:start + self.counts[self.rank]]
+
+
+class DpStep:
+    """The scheduler's side of DP attention (`Scheduler.dp`): what this rank launches."""
+
+    def __init__(self, mlp: DpMlp):
+        self.mlp = mlp
+        self.modes: list[str] = []   # per turn: forward, idle or none (what the rule table names)
+
+    def agree(self, batch):
+        """This rank's batch, an idle batch (`Batch([])`) when only other ranks have tokens,
+        or None when no rank has any (then no rank runs a forward)."""
+        counts = self.mlp.begin_step(batch.num_tokens if batch is not None else 0)
+        if not any(counts):
+            self.modes.append("none")
+            return None
+        self.modes.append("forward" if batch is not None else "idle")
+        return batch if batch is not None else Batch([])

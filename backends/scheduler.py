@@ -72,6 +72,7 @@ class Scheduler:
         # A block-diffusion model (backends.dllm): its block size, else 0.
         self.dllm_block, self.mask_id = runner.model.cfg.dllm_block_size, runner.model.cfg.mask_token_id
         self.last_dllm_mode = "prefill"
+        self.dp = None  # backends.dp.DpStep when this engine is one rank of a DP-attention group
         self.overlap = cfg.overlap == "on"
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap else None
         self.in_flight: Step | None = None
@@ -134,6 +135,8 @@ class Scheduler:
         self.role.advance()
         self._free_deferred()
         batch = self.schedule()
+        if self.dp is not None:  # every rank takes this turn: an idle batch keeps the collectives in step
+            batch = self.dp.agree(batch)
         launched = self._launch(batch) if batch is not None else None
         done, self.in_flight = (self.in_flight, launched) if self.overlap else (launched, None)
         if done is not None:

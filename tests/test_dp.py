@@ -2,6 +2,7 @@
 attention for its own sequences and its shard of the MLP for everyone's tokens; what each
 rank computes must equal the whole model run on its sequences alone, also when the other
 rank brings an idle batch (no tokens) through the collectives."""
+import datetime
 import os
 import socket
 
@@ -51,7 +52,8 @@ def rank_main(rank: int, path: str, port: int, steps: list, out_dir: str) -> Non
 
     from backends.dp import DpMlp
     from backends.model import load_weights
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))  # a rank out of step fails, not hangs
     try:
         runner = make_runner(path)
         runner.model.mlp = DpMlp(runner.model, load_weights(path), rank, 2)
@@ -79,3 +81,59 @@ def test_two_ranks_equal_the_whole_model(checkpoint, tmp_path, case):
                 assert hidden.shape[0] == 0  # an idle batch: through the collectives, no rows
             else:
                 torch.testing.assert_close(hidden, run_prompt(whole, ids), atol=1e-4, rtol=0)
+
+
+# ---- the loop's half: every rank takes every turn ------------------------------------------
+LOOP_CASES = {  # per rank: max_tokens of its one request (None: no request)
+    "a rank with nothing runs idle batches": (6, None),
+    "requests finishing at different steps": (3, 7),
+}
+
+
+def loop_rank_main(rank: int, path: str, port: int, plan: tuple, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from backends.config import EngineConfig
+    from backends.dp import DpMlp, DpStep
+    from backends.engine import Engine
+    from backends.model import load_weights
+    from backends.request import SamplingParams
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))  # a rank out of step fails, not hangs
+    try:
+        eng = Engine(EngineConfig(model_path=path, page_size=4, num_pages=64, threads=1, attention_backend="torch"))
+        eng.runner.model.decoder = None
+        eng.runner.model.mlp = DpMlp(eng.runner.model, load_weights(path), rank, 2)
+        eng.scheduler.dp = DpStep(eng.runner.model.mlp)
+        outs = []
+        if plan[rank] is not None:
+            eng.generate(prompts(2)[rank], SamplingParams(max_tokens=plan[rank], min_tokens=plan[rank]), outs.append)
+        for _ in range(max(p or 0 for p in plan) + 2):  # not started: both ranks turn the loop in step
+            eng.scheduler.step(wait_s=0)
+        ids = [t for o in outs for t in o.token_ids]
+        torch.save({"ids": ids, "modes": eng.scheduler.dp.modes, "free": eng.stats()["kv_pages_free"]},
+                   os.path.join(out_dir, f"loop{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", sorted(LOOP_CASES))
+def test_the_loop_keeps_the_ranks_in_step(checkpoint, tmp_path, case):
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine, token_ids
+    path, plan = checkpoint("llama"), LOOP_CASES[case]
+    mp.start_processes(loop_rank_main, args=(path, free_port(), plan, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    busiest = max(p or 0 for p in plan)
+    whole = small_engine(path)
+    try:
+        for rank, max_tokens in enumerate(plan):
+            got = torch.load(tmp_path / f"loop{rank}.pt")
+            mine = max_tokens or 0
+            assert got["modes"] == ["forward"] * mine + ["idle"] * (busiest - mine) + ["none"] * 2, rank
+            assert got["free"] == 64
+            if max_tokens:
+                params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)
+                assert got["ids"] == token_ids(collect(whole, [prompts(2)[rank]], params)[0])
+    finally:
+        whole.stop()
