@@ -24,6 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(main, *args) -> None:
+    """Two ranks in spawned processes, each running main(rank, *args) inside one gloo group."""
+    mp.start_processes(_in_group, args=(main, free_port(), args), nprocs=2, join=True, start_method="spawn")
+
+
+def _in_group(rank: int, main, port: int, args: tuple) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))  # a rank out of step fails, not hangs
+    try:
+        main(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_prompt(runner, ids):
     """The final hidden state of a whole prompt as one prefill step, on fresh pages."""
     from backends.request import Request, SamplingParams
@@ -47,31 +62,23 @@ def make_runner(path):
     return runner
 
 
-def rank_main(rank: int, path: str, port: int, steps: list, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def rank_main(rank: int, path: str, steps: list, out_dir: str) -> None:
     from backends.dp import DpMlp
     from backends.model import load_weights
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))  # a rank out of step fails, not hangs
-    try:
-        runner = make_runner(path)
-        runner.model.mlp = DpMlp(runner.model, load_weights(path), rank, 2)
-        results = []
-        for step in steps:
-            ids = None if step[rank] is None else prompts(4)[step[rank]]
-            counts = runner.model.mlp.begin_step(0 if ids is None else len(ids))
-            results.append((counts, run_prompt(runner, ids)))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    runner = make_runner(path)
+    runner.model.mlp = DpMlp(runner.model, load_weights(path), rank, 2)
+    results = []
+    for step in steps:
+        ids = None if step[rank] is None else prompts(4)[step[rank]]
+        counts = runner.model.mlp.begin_step(0 if ids is None else len(ids))
+        results.append((counts, run_prompt(runner, ids)))
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_ranks_equal_the_whole_model(checkpoint, tmp_path, case):
     path, steps = checkpoint("llama"), CASES[case]
-    mp.start_processes(rank_main, args=(path, free_port(), steps, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(rank_main, path, steps, str(tmp_path))
     whole = make_runner(path)
     for rank in range(2):
         for (counts, hidden), step in zip(torch.load(tmp_path / f"rank{rank}.pt"), steps):
@@ -90,31 +97,24 @@ LOOP_CASES = {  # per rank: max_tokens of its one request (None: no request)
 }
 
 
-def loop_rank_main(rank: int, path: str, port: int, plan: tuple, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def loop_rank_main(rank: int, path: str, plan: tuple, out_dir: str) -> None:
     from backends.config import EngineConfig
     from backends.dp import DpMlp, DpStep
     from backends.engine import Engine
     from backends.model import load_weights
     from backends.request import SamplingParams
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))  # a rank out of step fails, not hangs
-    try:
-        eng = Engine(EngineConfig(model_path=path, page_size=4, num_pages=64, threads=1, attention_backend="torch"))
-        eng.runner.model.decoder = None
-        eng.runner.model.mlp = DpMlp(eng.runner.model, load_weights(path), rank, 2)
-        eng.scheduler.dp = DpStep(eng.runner.model.mlp)
-        outs = []
-        if plan[rank] is not None:
-            eng.generate(prompts(2)[rank], SamplingParams(max_tokens=plan[rank], min_tokens=plan[rank]), outs.append)
-        for _ in range(max(p or 0 for p in plan) + 2):  # not started: both ranks turn the loop in step
-            eng.scheduler.step(wait_s=0)
-        ids = [t for o in outs for t in o.token_ids]
-        torch.save({"ids": ids, "modes": eng.scheduler.dp.modes, "free": eng.stats()["kv_pages_free"]},
-                   os.path.join(out_dir, f"loop{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    eng = Engine(EngineConfig(model_path=path, page_size=4, num_pages=64, threads=1, attention_backend="torch"))
+    eng.runner.model.decoder = None
+    eng.runner.model.mlp = DpMlp(eng.runner.model, load_weights(path), rank, 2)
+    eng.scheduler.dp = DpStep(eng.runner.model.mlp)
+    outs = []
+    if plan[rank] is not None:
+        eng.generate(prompts(2)[rank], SamplingParams(max_tokens=plan[rank], min_tokens=plan[rank]), outs.append)
+    for _ in range(max(p or 0 for p in plan) + 2):  # not started: both ranks turn the loop in step
+        eng.scheduler.step(wait_s=0)
+    ids = [t for o in outs for t in o.token_ids]
+    torch.save({"ids": ids, "modes": eng.scheduler.dp.modes, "free": eng.stats()["kv_pages_free"]},
+               os.path.join(out_dir, f"loop{rank}.pt"))
 
 
 @pytest.mark.parametrize("case", sorted(LOOP_CASES))
@@ -122,8 +122,7 @@ def test_the_loop_keeps_the_ranks_in_step(checkpoint, tmp_path, case):
     from backends.request import SamplingParams
     from tests.engine_utils import collect, small_engine, token_ids
     path, plan = checkpoint("llama"), LOOP_CASES[case]
-    mp.start_processes(loop_rank_main, args=(path, free_port(), plan, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(loop_rank_main, path, plan, str(tmp_path))
     busiest = max(p or 0 for p in plan)
     whole = small_engine(path)
     try:
