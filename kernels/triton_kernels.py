@@ -106,7 +106,11 @@ def _dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
+# Integers that change from step to step (the page table's width, the split length and the
+# partial buffers' strides, which follow the split count) are not specialized on: Triton
+# would otherwise compile a new variant whenever one of them turns divisible by 16 or 1.
+@triton.jit(do_not_specialize=["stride_tb", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh",
+                               "split_len"])
 def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kv_lens_ptr, rows_ptr, seqs_ptr,
                            part_o_ptr, part_lse_ptr, qk_scale,
                            stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_tb,
@@ -162,7 +166,7 @@ def _decode_partial_kernel(q_ptr, k_ptr, v_ptr, table_ptr, kv_lens_ptr, rows_ptr
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_ps", "stride_lb", "stride_lh"])
 def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, rows_ptr, num_splits,
                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                           stride_ot, stride_oh,
@@ -232,7 +236,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # --------------------------------------------------------------------------- extend / prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])
 def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, kv_lens_ptr, cu_q_ptr, seqs_ptr,
                    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cp, stride_cs, stride_ch, stride_tb, page_size,
