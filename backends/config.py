@@ -28,7 +28,7 @@ class EngineConfig:
         "doc": "auto (cuda if present, else cpu; TANDEM_DEVICE overrides auto), cpu, cuda or cuda:N"})
     dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu), float32, bfloat16 or float16"})
     attention_backend: str = field(default="auto", metadata={
-        "doc": "auto (GPU: flashinfer where it imports, else torch; CPU: the C decode kernel where it builds, "
+        "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})
     page_size: int = field(default=16, metadata={"doc": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={

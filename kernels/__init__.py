@@ -24,7 +24,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     if device.type == "cpu":
         from kernels import cpu_backend
         return "cpu" if cpu_backend.available() else "torch"
-    return "torch"
+    # the project's own paged kernels, rather than the torch path that gathers the pages first
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -433,10 +433,15 @@ def test_cpu_kernel_build_error_is_reported(tmp_path):
         cbuild.build(broken, tmp_path)
 
 
-def test_auto_picks_cpu_kernel_on_cpu():
+def test_auto_picks_cpu_kernel_on_cpu_and_triton_on_cuda_without_flashinfer(monkeypatch):
+    import importlib.util
+
     from kernels import resolve_backend_name
 
     assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"  # never touches the device
 
 
 def test_serving_greedy_identical_torch_and_cpu(checkpoint):
