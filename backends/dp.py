@@ -16,6 +16,8 @@ behind one Triton model, dispatch and cancellation, the decode role (see the iss
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.distributed as dist
 
@@ -65,7 +67,8 @@ class DpStep:
 
     def __init__(self, mlp: DpMlp):
         self.mlp = mlp
-        self.modes: list[str] = []   # per turn: forward, idle or none (what the rule table names)
+        # per turn, the latest ones: forward, idle or none (what the rule table names)
+        self.modes: collections.deque[str] = collections.deque(maxlen=10_000)
 
     def agree(self, batch):
         """This rank's batch, an idle batch (`Batch([])`) when only other ranks have tokens,

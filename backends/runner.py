@@ -5,6 +5,7 @@ attention backend.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -119,9 +120,6 @@ class ModelRunner:
             self._step_thread = threading.get_ident()
             torch.set_num_threads(self.cfg.num_threads)
         tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
-        if self.turns is None:
-            return self.model.forward(tensor(step.ids), tensor(step.positions), self.kv, self.attn, step.plan,
-                                      tensor(step.rows), after_layer)
-        with self.turns:
+        with self.turns or contextlib.nullcontext():
             return self.model.forward(tensor(step.ids), tensor(step.positions), self.kv, self.attn, step.plan,
                                       tensor(step.rows), after_layer)

@@ -157,7 +157,7 @@ class Scheduler:
             result = Future()
             result.set_exception(exc)
             return Step(number, batch, result)
-        for row, req in enumerate(batch.samples):
+        for row, req in enumerate(batch.samples if not self.dllm_block else []):  # a block has no futures
             req.futures.append((number, row))
         for req, n in batch.items:
             req.num_computed += n
@@ -371,7 +371,6 @@ class Scheduler:
         offset = 0
         for req in step.batch.samples:
             rows, offset = logits[offset:offset + len(req.block)], offset + len(req.block)
-            req.futures.clear()
             if req.status is Status.FINISHED:
                 continue
             req.num_computed = req.block_start  # the block's own KV counts once the block is final
@@ -389,14 +388,10 @@ class Scheduler:
         stop_ids = self.stop_ids(req)
         for token in req.block[max(0, len(req.prompt_ids) - req.block_start):]:
             if token in stop_ids:
-                return self.finish(req, "stop")
+                return self.finish(req, "stop")  # the end id is not output (the definition)
             req.output_ids.append(token)
-            req.detok.add(token)
-            if req.detok.stopped:
-                return self.finish(req, "stop")
-            if len(req.output_ids) >= req.params.max_tokens or \
-                    len(req.prompt_ids) + len(req.output_ids) >= self.runner.max_context:
-                return self.finish(req, "length")
+            if reason := self._end_reason(req, token):
+                return self.finish(req, reason)
         self.emit(req)
         req.block_start += len(req.block)
         req.block = [self.mask_id] * self.dllm_block
@@ -420,20 +415,21 @@ class Scheduler:
         req.last_logprob = logprob
         if self.role.on_sampled(req):
             return
-        reason = None
-        if token in stop_ids:
-            reason = "stop"
-        else:
-            req.detok.add(token)
-            if req.detok.stopped:
-                reason = "stop"
-        if reason is None and (len(req.output_ids) >= req.params.max_tokens
-                               or len(req.prompt_ids) + len(req.output_ids) >= self.runner.max_context):
-            reason = "length"
+        reason = "stop" if token in stop_ids else self._end_reason(req, token)
         if reason:
             self.finish(req, reason)
         else:
             self.emit(req)
+
+    def _end_reason(self, req: Request, token: int) -> str | None:
+        """Why the request ends with `token`, just appended and not a stop id (None: it goes on)."""
+        req.detok.add(token)
+        if req.detok.stopped:
+            return "stop"
+        if len(req.output_ids) >= req.params.max_tokens \
+                or len(req.prompt_ids) + len(req.output_ids) >= self.runner.max_context:
+            return "length"
+        return None
 
     def emit(self, req: Request, final: bool = False, reason: str | None = None,
              error: str | None = None) -> None:

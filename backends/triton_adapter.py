@@ -131,9 +131,13 @@ class EngineModel(StreamingModel):
     def poll(self) -> None:
         with self.lock:
             streams = list(self.streams.items())
-        alive: dict[str, bool] = {}
+        alive: dict[str, bool] = {}  # one look in /proc per parent a poll
         for request_id, (stream, parent) in streams:
-            if parent is not None and not alive.setdefault(parent, process_alive(parent)):
+            if stream.orphaned:
+                continue  # aborted already; its end is on the way
+            if parent is not None and parent not in alive:
+                alive[parent] = process_alive(parent)
+            if parent is not None and not alive[parent]:
                 log.warning("%s: the process that sent it over BLS is gone; aborting", request_id)
                 stream.orphan()
                 self.engine.abort(request_id)

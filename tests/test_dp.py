@@ -113,7 +113,7 @@ def loop_rank_main(rank: int, path: str, plan: tuple, out_dir: str) -> None:
     for _ in range(max(p or 0 for p in plan) + 2):  # not started: both ranks turn the loop in step
         eng.scheduler.step(wait_s=0)
     ids = [t for o in outs for t in o.token_ids]
-    torch.save({"ids": ids, "modes": eng.scheduler.dp.modes, "free": eng.stats()["kv_pages_free"]},
+    torch.save({"ids": ids, "modes": list(eng.scheduler.dp.modes), "free": eng.stats()["kv_pages_free"]},
                os.path.join(out_dir, f"loop{rank}.pt"))
 
 
