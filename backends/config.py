@@ -48,6 +48,11 @@ class EngineConfig:
     core_turns: str = field(default="auto", metadata={
         "doc": "cpu: on = take turns at shared cores with the other engines of this host (one forward at a "
                "time, prefill first); off; auto = on for prefill and decode, off for colocated"})
+    dp_size: int = field(default=1, metadata={
+        "doc": "DP attention: ranks (processes) behind this model instance, each with its own scheduler, "
+               "requests and KV pool (num_pages and kv_memory_gb are per rank); attention runs per rank, "
+               "the MLP is split across them. cpu: the ranks split cpu_cores, at most one rank per core; "
+               "cuda: rank i on cuda:i. 1 = no DP"})
     dllm_threshold: float = field(default=0.95, metadata={
         "doc": "block-diffusion models: a masked position is revealed when its confidence reaches this "
                "(0 < t <= 1; 1 reveals one position a step)"})
@@ -79,9 +84,34 @@ class EngineConfig:
     @staticmethod
     def from_params(params: dict[str, str], **overrides) -> "EngineConfig":
         """From Triton's string parameters; unknown names are refused, blanks keep defaults."""
+        self._check_dp_size()
         known = {f.name: f for f in fields(EngineConfig)}
         values = {}
         for name, text in params.items():
+    def _check_dp_size(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.dp_size == 1:
+            return
+        if self.torch_device.type == "cpu" and self.dp_size > len(self.cores):
+            raise ValueError(f"dp_size {self.dp_size} is more ranks than the {len(self.cores)} cores this engine "
+                             f"may use (cpu_cores {self.cpu_cores or 'all'}): at most one rank per core")
+        if self.torch_device.type == "cuda" and self.dp_size > torch.cuda.device_count():
+            raise ValueError(f"dp_size {self.dp_size} is more ranks than the {torch.cuda.device_count()} GPUs")
+
+    def for_rank(self, rank: int) -> "EngineConfig":
+        """One DP rank's engine: its share of the cores (cpu) or its own GPU (cuda)."""
+        if self.torch_device.type == "cuda":
+            return self.replace(dp_size=1, device=f"cuda:{rank}")
+        cores, n = self.cores, self.dp_size
+        share = cores[rank * len(cores) // n:(rank + 1) * len(cores) // n]  # neighbours stay together
+        threads = max(1, self.threads // n) if self.threads else 0
+        return self.replace(dp_size=1, cpu_cores=",".join(map(str, share)), threads=threads)
+
+    def context_limit(self, max_position: int) -> int:
+        """The longest prompt + output for a model of `max_position` positions."""
+        return min(self.max_context or max_position, max_position)
+
             if name not in known:
                 continue  # parameters of the adapter itself (e.g. transfer knobs) are not engine knobs
             if text.strip() == "":

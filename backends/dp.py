@@ -17,6 +17,7 @@ behind one Triton model, dispatch and cancellation, the decode role (see the iss
 from __future__ import annotations
 
 import collections
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -63,19 +64,76 @@ class DpMlp:
 
 
 class DpStep:
-    """The scheduler's side of DP attention (`Scheduler.dp`): what this rank launches."""
+    """The scheduler's side of DP attention (`Scheduler.dp`): what this rank launches.
 
-    def __init__(self, mlp: DpMlp):
-        self.mlp = mlp
+    The agreement runs on the loop thread over a process group of its own (`group`), the
+    layers' collectives on the forward thread over the MLP's: with overlap on, the two
+    threads' collectives interleave differently on each rank, and one group shared by both
+    would pair one rank's step agreement with another's layer gather."""
+
+    def __init__(self, mlp: DpMlp, group=None, on_broken=None):
+        self.mlp, self.group = mlp, group
+        self.on_broken = on_broken  # called when a rank is gone (the rank process exits there)
         # per turn, the latest ones: forward, idle or none (what the rule table names)
         self.modes: collections.deque[str] = collections.deque(maxlen=10_000)
+        self.totals: collections.Counter[str] = collections.Counter()
+
+    def stats(self) -> dict:
+        return {"dp_forward_steps": self.totals["forward"], "dp_idle_steps": self.totals["idle"],
+                "dp_none_turns": self.totals["none"]}
+
+    def _record(self, mode: str) -> None:
+        self.modes.append(mode)
+        self.totals[mode] += 1
 
     def agree(self, batch):
         """This rank's batch, an idle batch (`Batch([])`) when only other ranks have tokens,
-        or None when no rank has any (then no rank runs a forward)."""
-        counts = self.mlp.begin_step(batch.num_tokens if batch is not None else 0)
+        or None when no rank has any (then no rank runs a forward). The batch carries every
+        rank's token count to its forward (`begin_forward`)."""
+        mine = torch.tensor([batch.num_tokens if batch is not None else 0], dtype=torch.int64)
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.mlp.size)]
+        try:
+            dist.all_gather(every, mine, group=self.group)
+        except RuntimeError as exc:  # gloo: a peer's connection closed or timed out
+            if self.on_broken is not None:
+                self.on_broken(exc)
+            raise
+        counts = [int(c) for c in every]
         if not any(counts):
-            self.modes.append("none")
+            self._record("none")
             return None
-        self.modes.append("forward" if batch is not None else "idle")
-        return batch if batch is not None else Batch([])
+        self._record("forward" if batch is not None else "idle")
+        batch = batch if batch is not None else Batch([])
+        batch.dp_counts = counts
+        return batch
+
+    def begin_forward(self, batch) -> None:
+        """On the thread that runs the forward, right before it."""
+        self.mlp.counts = batch.dp_counts
+
+
+def join_group(rank: int, size: int, port: int, timeout_s: float = 60):
+    """This process as rank `rank` of a gloo group on this host; returns the loop's own
+    group (`DpStep`). A rank that dies turns the others' next collective into an error."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo")
+
+
+def make_rank(engine, rank: int, size: int, loop_group, group_cores: list[int], on_broken=None) -> None:
+    """Turn a loaded engine into one rank: the MLP shard replaces the whole MLP's weights.
+
+    Where engines take turns at the cores (backends.cores), the group takes one turn for all
+    its cores, through rank 0: ranks that each waited for their own cores could deadlock with
+    another engine (it holds rank 0's core and waits for rank 1's, while rank 1 waits in a
+    collective for rank 0). The other ranks' forwards move in step with rank 0's anyway."""
+    from backends.cores import CoreTurns
+    from backends.model import load_weights
+    if engine.runner.turns is not None:
+        engine.runner.turns = CoreTurns(group_cores, first=engine.cfg.role == "prefill") if rank == 0 else None
+    model = engine.runner.model
+    model.mlp = DpMlp(model, load_weights(engine.cfg.model_path), rank, size)
+    model.decoder = None  # the fused all-layers decoder has no collectives
+    for layer in model.layers:
+        layer.gate_up = layer.down = None
+    engine.scheduler.dp = DpStep(model.mlp, loop_group, on_broken)

@@ -29,6 +29,13 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def tokenize(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    if chat:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    return tokenizer(prompt, add_special_tokens=True).input_ids
+
+
 def refuse_dllm_settings(cfg: EngineConfig, role: Role | None) -> None:
     """What a block-diffusion checkpoint cannot be served with, refused before it loads."""
     if not ModelConfig.load(cfg.model_path).is_dllm:
@@ -39,6 +46,24 @@ def refuse_dllm_settings(cfg: EngineConfig, role: Role | None) -> None:
     if cfg.overlap == "on":
         raise ValueError(f"{cfg.model_path} is a block-diffusion model: overlap is not supported for it "
                          "(a step's input is the block the step before it revealed)")
+
+
+def check_request(mc: ModelConfig, max_context: int, prompt_ids: list[int], params: SamplingParams) -> None:
+    """What makes a request unservable by this model, as InvalidRequest."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty")
+    if not all(0 <= t < mc.vocab_size for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not 0 <= t < mc.vocab_size)
+        raise InvalidRequest(f"the prompt has token id {bad}, outside this model's vocabulary of {mc.vocab_size} ids")
+    if mc.is_dllm and params.temperature > 0:
+        raise InvalidRequest(f"temperature {params.temperature:g}: serving a block-diffusion model is greedy "
+                             "(temperature 0)")
+    if params.end_id is not None and params.end_id >= mc.vocab_size:
+        raise InvalidRequest(f"end_id {params.end_id} is not a token id of this model "
+                             f"(vocabulary of {mc.vocab_size})")
+    if len(prompt_ids) >= max_context:
+        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                             f"{max_context} tokens (prompt + output)")
 
 
 class Engine:
@@ -58,38 +83,24 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------
     def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
-        if chat:
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        return tokenize(self.tokenizer, prompt, chat)
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
                      sink: Callable[[RequestOutput], None], request_id: str | None = None,
                      room: int | None = None) -> Request:
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.runner.model.cfg.vocab_size
-        if not all(0 <= t < vocab for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-            raise InvalidRequest(f"the prompt has token id {bad}, outside this model's vocabulary of {vocab} ids")
-        if self.runner.model.cfg.is_dllm and params.temperature > 0:
-            raise InvalidRequest(f"temperature {params.temperature:g}: serving a block-diffusion model is greedy "
-                                 "(temperature 0)")
-        if params.end_id is not None and params.end_id >= self.runner.model.cfg.vocab_size:
-            raise InvalidRequest(f"end_id {params.end_id} is not a token id of this model "
-                                 f"(vocabulary of {self.runner.model.cfg.vocab_size})")
-        if len(prompt_ids) >= self.max_context:
-            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                                 f"{self.max_context} tokens (prompt + output)")
+        check_request(self.runner.model.cfg, self.max_context, prompt_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room)
+
+    def submit(self, req: Request) -> None:
+        self.scheduler.submit(req)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  sink: Callable[[RequestOutput], None], request_id: str | None = None,
                  room: int | None = None) -> str:
         """Queue a request; outputs go to `sink` from the engine thread. Returns its id."""
         req = self.make_request(prompt_ids, params, sink, request_id, room)
-        self.scheduler.submit(req)
+        self.submit(req)
         return req.id
 
     def abort(self, request_id: str) -> None:
@@ -97,6 +108,11 @@ class Engine:
 
     def stats(self) -> dict:
         return self.scheduler.stats()
+
+    def describe(self) -> str:
+        runner = self.runner
+        return (f"{self.cfg.model_path}, {runner.device}, {runner.dtype}, attention {runner.attention_backend}, "
+                f"{runner.pool.num_pages} KV pages of {self.cfg.page_size} tokens")
 
     # ---- the loop thread -----------------------------------------------------------
     def start(self) -> "Engine":

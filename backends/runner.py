@@ -37,6 +37,7 @@ class Batch:
         self.starts = [r.num_computed for r, _ in self.items]
 
     @property
+        self.dp_counts: list[int] | None = None  # every DP rank's token count this step (backends.dp)
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 

@@ -50,6 +50,10 @@ class Step:
     result: Future
 
 
+# A DP rank's idle turn: a request that arrives at another rank waits for it (TTFT)
+DP_IDLE_TURN_S = 0.005
+
+
 class Scheduler:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, eos_ids: tuple[int, ...],
                  role: Role | None = None):
@@ -142,7 +146,9 @@ class Scheduler:
         if done is not None:
             self._complete(done)
         elif launched is None:
-            self._wake.wait(wait_s)  # new requests, aborts and transfer events wake it early
+            # new requests, aborts and transfer events wake it early; a DP rank cannot be woken
+            # by another rank's request, and every rank takes every turn: short turns
+            self._wake.wait(wait_s if self.dp is None else min(wait_s, DP_IDLE_TURN_S))
         return done is not None or launched is not None
 
     def _launch(self, batch: Batch) -> Step:
@@ -178,6 +184,8 @@ class Scheduler:
             for index, (step, row) in inputs.futures:
                 # a failed step sampled nothing; its requests are finished and these rows dropped
                 inputs.ids[index] = self.sampled[step][row] if step in self.sampled else 0
+            if self.dp is not None:
+                self.dp.begin_forward(batch)
             with torch.inference_mode():
                 hidden = self.runner.forward(inputs, hook)
                 if not batch.samples:
@@ -473,4 +481,5 @@ class Scheduler:
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_pages_free": self.pool.num_free, "kv_pages_total": self.pool.num_pages,
-                "preemptions": self.num_preemptions, **self.role.stats()}
+                "preemptions": self.num_preemptions, **self.role.stats(),
+                **(self.dp.stats() if self.dp is not None else {})}

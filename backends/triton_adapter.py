@@ -21,6 +21,7 @@ from backends.config import EngineConfig
 from backends.parameters import refuse_unknown
 from backends.engine import Engine, InvalidRequest
 from backends.request import RequestOutput
+from backends.role import disagg_config, make_role
 from backends.triton_io import OUTPUTS, control_room, parse_request
 from backends.triton_stream import (LatencyMetrics, ResponseStream, StreamingModel, model_parameters, process_alive,
                                     request_parent)
@@ -48,19 +49,6 @@ def engine_parameter_names(role: str) -> set[str]:
     return names
 
 
-def make_role(role: str, params: dict[str, str]):
-    """The scheduler role of an engine model: None (colocated), prefill or decode."""
-    if role == "colocated":
-        return None
-    from backends.disagg.config import DisaggConfig
-    cfg = DisaggConfig.from_params(params)
-    if role == "prefill":
-        from backends.disagg.prefill import PrefillRole
-        return PrefillRole(cfg)
-    from backends.disagg.decode import DecodeRole
-    return DecodeRole(cfg)
-
-
 class EngineModel(StreamingModel):
     """Base of the `llm`, `prefill` and `decode` models' TritonPythonModel."""
 
@@ -71,6 +59,7 @@ class EngineModel(StreamingModel):
         self.params = model_parameters(args)
         refuse_unknown(self.params, engine_parameter_names(self.role), args.get("model_name", self.role))
         self.cfg = EngineConfig.from_params(self.params, role=self.role)
+        self.disagg = disagg_config(self.role, self.params)
         self.sends = SendPool(SEND_THREADS)
         self.engine = self.create_engine()
         self.engine.start()
@@ -80,12 +69,13 @@ class EngineModel(StreamingModel):
         self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "llm"))
         self._start_watcher()
-        log.info("engine ready: %s, %s, %s, attention %s, %d KV pages of %d tokens",
-                 self.cfg.model_path, self.engine.runner.device, self.engine.runner.dtype,
-                 self.engine.runner.attention_backend, self.engine.runner.pool.num_pages, self.cfg.page_size)
+        log.info("engine ready: %s", self.engine.describe())
 
     def create_engine(self) -> Engine:
-        engine = Engine(self.cfg, role=make_role(self.role, self.params))
+        if self.cfg.dp_size > 1:  # ranks in processes of their own (DP attention)
+            from backends.dp_group import DpGroup
+            return DpGroup(self.cfg, self.role, self.disagg, before_relay=self.sends.drain)
+        engine = Engine(self.cfg, role=make_role(self.role, self.disagg))
         engine.scheduler.before_process = self.sends.drain
         return engine
 
@@ -118,7 +108,7 @@ class EngineModel(StreamingModel):
             return
         with self.lock:
             self.streams[engine_request.id] = (stream, request_parent(request))
-        self.engine.scheduler.submit(engine_request)
+        self.engine.submit(engine_request)
 
     def _sink(self, stream: ResponseStream):
         def send(out: RequestOutput) -> None:
@@ -225,6 +215,7 @@ class EngineMetrics:
         "transfer_failures": "requests whose KV hand-off failed",
         "transferring": "requests waiting for their KV (decode)",
         "quarantined_pages": "KV pages held until the prefill side confirms no write is in flight (decode)",
+        "dp_ranks_alive": "DP attention ranks running (dp_size > 1); fewer than dp_size: the model stopped serving",
     }
 
     def __init__(self, pb, model: str, stats: dict):

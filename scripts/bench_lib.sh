@@ -1,4 +1,4 @@
-# Sourced by the one-server benchmark scripts (bench_overlap.sh, bench_dllm.sh).
+# Sourced by the one-server benchmark scripts (bench_overlap.sh, bench_dllm.sh, bench_dp.sh).
 
 # set_param FILE KEY VALUE: the string_value of a config.pbtxt parameter.
 set_param() {

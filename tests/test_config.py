@@ -31,12 +31,23 @@ def test_step_budget_is_per_device_unless_set():
     assert EngineConfig(device="cpu", max_batch_tokens=300).step_budget(decodes=8) == 300
 
 
-@pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}, {"max_batch_tokens": -1}])
+@pytest.mark.parametrize("bad", [{"role": "trainer"}, {"page_size": 0}, {"chunk_size": -1}, {"max_batch_tokens": -1},
+                                 {"dp_size": 0}, {"dp_size": -2}])
 def test_bad_values_are_refused(bad):
     with pytest.raises(ValueError):
         EngineConfig(**bad)
     with pytest.raises(ValueError, match="dtype"):
         _ = EngineConfig(dtype="float8").torch_dtype
+
+
+def test_dp_size_is_at_most_one_rank_per_core():
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=f"dp_size {cores + 1} is more ranks than the {cores} cores"):
+        EngineConfig(device="cpu", dp_size=cores + 1)
+    with pytest.raises(ValueError, match="dp_size 2 is more ranks than the 1 cores"):
+        EngineConfig(device="cpu", dp_size=2, cpu_cores="0")
+    cfg = EngineConfig(device="cpu", dp_size=2, cpu_cores="0-1", threads=4)
+    assert [(c.cpu_cores, c.threads, c.dp_size) for c in (cfg.for_rank(0), cfg.for_rank(1))] == [("0", 2, 1), ("1", 2, 1)]
 
 
 def test_disagg_parameters():
@@ -75,6 +86,8 @@ def test_bad_parameter_values_name_the_parameter():
     ("llm", {"page_sise": "8"}, "llm: unknown parameter 'page_sise' in config.pbtxt"),
     ("llm", {"nixl_port": "1"}, "llm: unknown parameter 'nixl_port'"),   # a hand-off knob on the colocated model
     ("llm", {"threads": "two"}, "parameter 'threads' must be an int, got 'two'"),
+    ("llm", {"dp_size": "0"}, "dp_size must be >= 1, got 0"),
+    ("decode", {"dp_size": "64", "prefill_address": "127.0.0.1:1"}, "dp_size 64 is more ranks than the"),
 ])
 def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model, params, message):
     from tests.server import TritonServer

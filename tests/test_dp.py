@@ -5,6 +5,7 @@ rank brings an idle batch (no tokens) through the collectives."""
 import datetime
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -99,14 +100,11 @@ LOOP_CASES = {  # per rank: max_tokens of its one request (None: no request)
 
 def loop_rank_main(rank: int, path: str, plan: tuple, out_dir: str) -> None:
     from backends.config import EngineConfig
-    from backends.dp import DpMlp, DpStep
+    from backends.dp import make_rank
     from backends.engine import Engine
-    from backends.model import load_weights
     from backends.request import SamplingParams
     eng = Engine(EngineConfig(model_path=path, page_size=4, num_pages=64, threads=1, attention_backend="torch"))
-    eng.runner.model.decoder = None
-    eng.runner.model.mlp = DpMlp(eng.runner.model, load_weights(path), rank, 2)
-    eng.scheduler.dp = DpStep(eng.runner.model.mlp)
+    make_rank(eng, rank, 2, loop_group=None, group_cores=[])   # one gloo group for both: overlap is off
     outs = []
     if plan[rank] is not None:
         eng.generate(prompts(2)[rank], SamplingParams(max_tokens=plan[rank], min_tokens=plan[rank]), outs.append)
@@ -136,3 +134,196 @@ def test_the_loop_keeps_the_ranks_in_step(checkpoint, tmp_path, case):
                 assert got["ids"] == token_ids(collect(whole, [prompts(2)[rank]], params)[0])
     finally:
         whole.stop()
+
+
+# ---- dp_size behind one model: rank processes, dispatch, cancel, rank death --------------
+
+
+def dp_group(path, **overrides):
+    from backends.config import EngineConfig
+    from backends.dp_group import DpGroup
+    cfg = dict(model_path=path, page_size=4, num_pages=64, chunk_size=16, max_running_requests=8, dp_size=2)
+    cfg.update(overrides)
+    return DpGroup(EngineConfig(**cfg)).start()
+
+
+def wait_until(done, timeout_s: float = 20) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if done():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def fresh_stats(group) -> list[dict]:
+    """Every rank's stats, sent after this call (ranks send theirs every STATS_EVERY_S)."""
+    from backends.dp_group import STATS_EVERY_S
+    time.sleep(2.5 * STATS_EVERY_S)
+    return [dict(rank.stats) for rank in group.ranks]
+
+
+def pools_whole(group) -> bool:
+    return wait_until(lambda: all(s["kv_pages_free"] == s["kv_pages_total"] for s in fresh_stats(group)), 10)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_dp2_equals_one_engine(checkpoint, arch, overlap):
+    """Greedy ids of 8 prompts at once through two ranks equal one whole engine's, and both
+    ranks took requests (dispatch by load)."""
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine, token_ids
+    path, batch = checkpoint(arch), prompts(8)
+    params = SamplingParams(max_tokens=12, min_tokens=12)
+    whole = small_engine(path)
+    try:
+        want = [token_ids(o) for o in collect(whole, batch, params)]
+    finally:
+        whole.stop()
+    group = dp_group(path, overlap=overlap)
+    try:
+        got = collect(group, batch, params)
+        assert [token_ids(o) for o in got] == want
+        stats = fresh_stats(group)
+        assert all(s["dp_forward_steps"] > 0 for s in stats), stats
+        assert pools_whole(group)
+    finally:
+        group.stop()
+
+
+def test_cancel_while_the_other_rank_is_idle(checkpoint):
+    """One request on rank 0 while rank 1 runs idle batches for it; the cancel ends it, both
+    pools are whole, and the group serves on."""
+    import queue
+    from backends.request import SamplingParams
+    path = checkpoint("llama")
+    group = dp_group(path)
+    try:
+        outs = queue.Queue()
+        rid = group.generate(prompts(1)[0], SamplingParams(max_tokens=400, min_tokens=400), outs.put)
+        assert group.requests[rid][1].rank == 0
+        first = outs.get(timeout=30)
+        idle_before = fresh_stats(group)[1]["dp_idle_steps"]
+        assert idle_before > 0   # rank 1 is in the collectives with nothing of its own
+        group.abort(rid)
+        last = first
+        while not last.finished:
+            last = outs.get(timeout=30)
+        assert last.finish_reason == "abort" and last.num_output_tokens < 400
+        assert pools_whole(group)
+        from tests.engine_utils import collect
+        again = collect(group, prompts(2), SamplingParams(max_tokens=4))
+        assert all(o[-1].finish_reason == "length" for o in again)
+    finally:
+        group.stop()
+
+
+def test_a_killed_rank_ends_every_request_with_an_error(checkpoint):
+    """SIGKILL rank 1 while both ranks run a request: both requests end with an error that
+    names the rank, the group reports no rank alive, and new requests are refused."""
+    import queue
+    import signal
+    from backends.request import InvalidRequest, SamplingParams
+    group = dp_group(checkpoint("llama"))
+    try:
+        queues = [queue.Queue(), queue.Queue()]
+        ids = [group.generate(p, SamplingParams(max_tokens=400, min_tokens=400), q.put)
+               for p, q in zip(prompts(2), queues)]
+        assert sorted(group.requests[i][1].rank for i in ids) == [0, 1]
+        for q in queues:
+            assert not q.get(timeout=30).finished
+        assert [s["running"] for s in fresh_stats(group)] == [1, 1]   # the state the kill targets
+        group.ranks[1].proc.send_signal(signal.SIGKILL)
+        for q in queues:
+            last = q.get(timeout=30)
+            while not last.finished:
+                last = q.get(timeout=30)
+            assert last.finish_reason == "error" and "DP rank 1 of 2 exited (code -9)" in last.error
+        assert wait_until(lambda: group.stats()["dp_ranks_alive"] == 0)
+        assert group.ranks[0].proc.poll() is not None   # stopped, not hanging in a collective
+        with pytest.raises(InvalidRequest, match="DP rank 1 of 2 exited"):
+            group.generate(prompts(1)[0], SamplingParams(max_tokens=4), lambda out: None)
+    finally:
+        group.stop()
+
+
+# ---- the decode role with DP: prebuilt requests --------------------------------------------
+def test_prebuilt_only_runs_no_forward_on_any_rank(checkpoint):
+    """Rows of the rule table with requests whose KV came from prefill (decode role, dp 2):
+    - every rank has only prebuilt work: no rank runs a forward, and the first tokens stream;
+    - one rank decodes while the other has only prebuilt work: the prebuilt rank runs idle
+      batches (no forward of its own) and still streams its first token."""
+    from backends.disagg.local import Pair, drain
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine, token_ids
+    path = checkpoint("llama")
+    whole = small_engine(path)
+    want = [token_ids(o) for o in collect(whole, prompts(3), SamplingParams(max_tokens=30, min_tokens=30))]
+    whole.stop()
+    pair = Pair(path, decode_dp=2, transfer_timeout_s=10)
+    try:
+        before = fresh_stats(pair.decode)
+        firsts = pair.run(prompts(2), SamplingParams(max_tokens=1))
+        assert [token_ids(d) for d, _ in firsts] == [w[:1] for w in want[:2]]
+        after = fresh_stats(pair.decode)
+        assert [a["dp_forward_steps"] - b["dp_forward_steps"] for a, b in zip(after, before)] == [0, 0]
+        assert [a["dp_idle_steps"] - b["dp_idle_steps"] for a, b in zip(after, before)] == [0, 0]
+        assert all(a["dp_none_turns"] > b["dp_none_turns"] for a, b in zip(after, before))
+
+        _, long_out, _ = pair.submit(prompts(1)[0], SamplingParams(max_tokens=400, min_tokens=400))
+        first = long_out.get(timeout=30)
+        before = [dict(rank.stats) for rank in pair.decode.ranks]  # counters only grow: older is fine
+        _, short_out, _ = pair.submit(prompts(3)[2], SamplingParams(max_tokens=1))
+        short = drain(short_out, 30)
+        assert not long_out.empty() and long_out.queue[-1].finished is False  # still decoding beside it
+        after = fresh_stats(pair.decode)
+        long_ids = token_ids([first] + drain(long_out, 60))
+        assert long_ids[:30] == want[0] and token_ids(short) == want[2][:1]
+        rank_long = 0 if after[0]["dp_forward_steps"] > before[0]["dp_forward_steps"] else 1
+        rank_short = 1 - rank_long
+        assert after[rank_short]["dp_forward_steps"] == before[rank_short]["dp_forward_steps"]
+        assert after[rank_short]["dp_idle_steps"] > before[rank_short]["dp_idle_steps"]
+        assert pair.wait_kv_whole() and pools_whole(pair.decode)
+    finally:
+        pair.close()
+
+
+def test_decode_dp2_equals_colocated(checkpoint):
+    from backends.disagg.local import Pair
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine, token_ids
+    path, batch = checkpoint("qwen3"), prompts(6)
+    params = SamplingParams(max_tokens=16, min_tokens=16)
+    whole = small_engine(path)
+    want = [token_ids(o) for o in collect(whole, batch, params)]
+    whole.stop()
+    pair = Pair(path, decode_dp=2, transfer_timeout_s=10)
+    try:
+        assert [token_ids(d) for d, _ in pair.run(batch, params)] == want
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
+# ---- through tritonserver ------------------------------------------------------------------
+@pytest.mark.server
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_llm_and_router_with_dp2_equal_transformers(default_model, tmp_path_factory, overlap):
+    """`llm` with dp_size 2 and `router` -> `decode` with dp_size 2 (each rank one of the two
+    cores) stream transformers' greedy ids for prompts sent at once; every pool is whole after."""
+    from tests.server import TritonServer, free_port
+    from tests.test_router import PROMPTS, disagg_parameters, run_all
+    from tests.test_server import greedy_ids
+    parameters = disagg_parameters(free_port())
+    for model in ("llm", "decode"):
+        parameters[model] = {**parameters[model], "dp_size": "2", "overlap": overlap}
+    server = TritonServer(str(tmp_path_factory.mktemp("repo_dp")), models=["llm", "prefill", "decode", "router"],
+                          parameters=parameters)
+    with server:
+        for model in ("llm", "router"):
+            for prompt, result in zip(PROMPTS, run_all(server.grpc_url, model, PROMPTS)):
+                assert result.error is None and result.token_ids == greedy_ids(prompt, 32), (model, prompt[:40])
+        for model in ("llm", "prefill", "decode"):
+            assert server.wait_kv_full(model), model
+        assert "DP attention, 2 ranks" in open(server.log_path).read()

@@ -23,7 +23,8 @@ def free_port() -> int:
 
 class Pair:
     def __init__(self, path: str, prefill_overrides: dict | None = None, decode_overrides: dict | None = None,
-                 engine_overrides: dict | None = None, prefill_engine: dict | None = None, **disagg):
+                 engine_overrides: dict | None = None, prefill_engine: dict | None = None, decode_dp: int = 1,
+                 **disagg):
         port = free_port()
         base = dict(model_path=path, page_size=4, num_pages=256, chunk_size=16, max_batch_tokens=40,
                     max_running_requests=8, threads=1)
@@ -32,7 +33,12 @@ class Pair:
         self.decode_cfg = DisaggConfig(prefill_address=f"127.0.0.1:{port}", **{**disagg, **(decode_overrides or {})})
         self.prefill = Engine(EngineConfig(**{**base, **(prefill_engine or {}), "role": "prefill"}),
                               role=PrefillRole(self.prefill_cfg)).start()
-        self.decode = Engine(EngineConfig(**{**base, "role": "decode"}), role=DecodeRole(self.decode_cfg)).start()
+        decode = EngineConfig(**{**base, "role": "decode", "dp_size": decode_dp})
+        if decode_dp > 1:  # DP attention: the decode ranks in processes of their own
+            from backends.dp_group import DpGroup
+            self.decode = DpGroup(decode, "decode", self.decode_cfg).start()
+        else:
+            self.decode = Engine(decode, role=DecodeRole(self.decode_cfg)).start()
 
     def submit(self, ids: list[int], params: SamplingParams, room: int | None = None, to_prefill: bool = True):
         room = room or random.getrandbits(62) + 1

@@ -1,0 +1,307 @@
+"""DP attention behind one Triton model instance (`dp_size` > 1; issue 26).
+
+The model instance's stub process holds no engine. It starts `dp_size` rank processes
+(`python -m backends.dp_group`), each an `Engine` with its own scheduler, requests and KV
+pool, joined in one gloo group (backends.dp: attention per rank, the MLP split across
+them, every rank in every step). The stub checks and tokenizes each request, sends it to
+the rank with the fewest tokens still to compute, and relays the rank's outputs to the
+request's sink; an abort goes to the rank that holds the request.
+
+Each rank talks to the stub over two pipes (pickled messages, multiprocessing.connection):
+no port, and a rank's death is an end of file at once. A rank that dies takes the group
+with it (the others cannot run a layer without it): every request still running on any
+rank ends with an error that names the rank, the other ranks are stopped, and new requests
+are refused with the same message; `tandem_dp_ranks_alive` drops. Triton 2.51's Python
+backend cannot mark a loaded model not ready, so the error and the gauge are the signal.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from multiprocessing.connection import Connection, wait
+from typing import Callable
+
+from backends.config import EngineConfig
+from backends.engine import check_request, load_tokenizer, tokenize
+from backends.model_config import ModelConfig
+from backends.request import InvalidRequest, Request, RequestOutput, SamplingParams
+
+log = logging.getLogger("tandem.dp")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READY_TIMEOUT_S = 600        # a rank loads its weights before it says ready
+STATS_EVERY_S = 0.25         # a rank's stats (the model's gauges) are this old at most
+STOP_TIMEOUT_S = 10
+
+
+def _python() -> str:
+    """The interpreter for the ranks: the stub's own, when it is a Python executable."""
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or "python3"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankProcess:
+    """One rank's process, its two pipes and the stub's view of its load."""
+
+    def __init__(self, rank: int, size: int, port: int, cfg: EngineConfig, role: str, disagg, group_cores: list[int]):
+        self.rank = rank
+        to_rank_r, to_rank_w = os.pipe()
+        from_rank_r, from_rank_w = os.pipe()
+        cmd = [_python(), "-m", "backends.dp_group", str(rank), str(size), str(port), str(to_rank_r),
+               str(from_rank_w)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(cmd, pass_fds=(to_rank_r, from_rank_w), env=env)
+        os.close(to_rank_r)
+        os.close(from_rank_w)
+        self.send_conn = Connection(to_rank_w, readable=False)
+        self.recv_conn = Connection(from_rank_r, writable=False)
+        self.send_lock = threading.Lock()
+        self.send((cfg, role, disagg, group_cores))
+        self.stats: dict = {}
+        self.load = 0                # tokens still to compute of the requests it holds
+        self.alive = True
+
+    def send(self, message) -> None:
+        with self.send_lock:
+            self.send_conn.send(message)
+
+    def wait_ready(self, timeout_s: float) -> str:
+        if not self.recv_conn.poll(timeout_s):
+            raise RuntimeError(f"DP rank {self.rank} did not start within {timeout_s:.0f} s")
+        try:
+            kind, stats, description = self.recv_conn.recv()
+        except EOFError:
+            raise RuntimeError(f"DP rank {self.rank} exited while loading (code {self.proc.wait()}); "
+                               "its error is in the server log") from None
+        self.stats = stats
+        return description
+
+    def send_quietly(self, message) -> None:
+        try:
+            self.send(message)
+        except OSError:
+            pass  # the rank is gone; the relay thread ends its requests
+
+    def stop(self) -> None:
+        self.send_quietly(("stop",))
+        self.join()
+
+    def join(self) -> None:
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class DpGroup:
+    """The engine side of a DP model instance: what `EngineModel` calls on an `Engine`."""
+
+    def __init__(self, cfg: EngineConfig, role: str = "colocated", disagg=None,
+                 before_relay: Callable[[], None] | None = None):
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model_path)
+        self.model_cfg = ModelConfig.load(cfg.model_path)
+        self.max_context = cfg.context_limit(self.model_cfg.max_position)
+        self.before_relay = before_relay   # the adapter's send drain (see SendPool)
+        port = _free_port()
+        self.ranks = [RankProcess(r, cfg.dp_size, port, cfg.for_rank(r), role, disagg, cfg.cores)
+                      for r in range(cfg.dp_size)]
+        self.requests: dict[str, tuple[Request, RankProcess, int]] = {}   # id -> (request, rank, its load)
+        self.lock = threading.Lock()
+        self.failure: str | None = None   # why the group stopped serving
+        try:
+            self.descriptions = [rank.wait_ready(READY_TIMEOUT_S) for rank in self.ranks]
+        except Exception:
+            self.stop()
+            raise
+        self._relay = threading.Thread(target=self._relay_loop, name="tandem-dp-relay", daemon=True)
+
+    # ---- what EngineModel calls ----------------------------------------------------
+    def tokenize(self, prompt: str, chat: bool = False) -> list[int]:
+        return tokenize(self.tokenizer, prompt, chat)
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams,
+                     sink: Callable[[RequestOutput], None], request_id: str | None = None,
+                     room: int | None = None) -> Request:
+        if self.failure is not None:
+            raise InvalidRequest(self.failure)
+        check_request(self.model_cfg, self.max_context, prompt_ids, params)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, None, room)
+
+    def submit(self, req: Request) -> None:
+        load = len(req.prompt_ids) + req.params.max_tokens
+        with self.lock:
+            if self.failure is not None:
+                req.sink(self._error(req.id, self.failure))
+                return
+            rank = min((r for r in self.ranks if r.alive), key=lambda r: r.load)  # fewest tokens to compute
+            rank.load += load
+            self.requests[req.id] = (req, rank, load)
+        rank.send(("add", req.id, req.prompt_ids, req.params, req.room))
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[RequestOutput], None],
+                 request_id: str | None = None, room: int | None = None) -> str:
+        req = self.make_request(prompt_ids, params, sink, request_id, room)
+        self.submit(req)
+        return req.id
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            entry = self.requests.get(request_id)
+        # an abort that overtook its request (a decode control room) waits on every rank
+        for rank in [entry[1]] if entry is not None else [r for r in self.ranks if r.alive]:
+            rank.send_quietly(("abort", request_id))
+
+    def stats(self) -> dict:
+        total: dict = {}
+        for rank in self.ranks:
+            for key, value in rank.stats.items():
+                total[key] = total.get(key, 0) + value
+        total["dp_ranks_alive"] = sum(r.alive for r in self.ranks)
+        return total
+
+    def describe(self) -> str:
+        return f"DP attention, {len(self.ranks)} ranks: " + "; ".join(
+            f"rank {r}: {d}" for r, d in enumerate(self.descriptions))
+
+    def start(self) -> "DpGroup":
+        self._relay.start()
+        return self
+
+    def stop(self) -> None:
+        self.failure = self.failure or "the model is unloading"
+        for rank in self.ranks:  # all at once: a rank that stops first breaks the others' collectives
+            rank.send_quietly(("stop",))
+        for rank in self.ranks:
+            rank.join()
+
+    # ---- the relay thread ------------------------------------------------------------
+    def _relay_loop(self) -> None:
+        conns = {rank.recv_conn: rank for rank in self.ranks}
+        while conns:
+            ready = wait(list(conns))
+            if self.before_relay is not None:
+                self.before_relay()  # the last batch's sends are out: a stream keeps its order
+            for conn in ready:
+                if not self._take(conns[conn]):
+                    del conns[conn]
+
+    def _take(self, rank: RankProcess) -> bool:
+        """Everything the rank has sent so far; False once it is gone."""
+        try:
+            while rank.recv_conn.poll():
+                kind, payload = rank.recv_conn.recv()
+                if kind == "out":
+                    self._deliver(payload)
+                else:
+                    rank.stats = payload
+            return True
+        except (EOFError, OSError):
+            self._rank_died(rank)
+            return False
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self.lock:
+            entry = self.requests.get(out.request_id)
+            if entry is not None and out.finished:
+                del self.requests[out.request_id]
+                entry[1].load -= entry[2]
+        if entry is not None:
+            entry[0].sink(out)
+
+    def _rank_died(self, rank: RankProcess) -> None:
+        rank.alive = False
+        if self.failure is not None:
+            return  # stopping: the group already failed, or the model is unloading
+        try:
+            code = rank.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # its pipe closed but it hangs on: it cannot serve
+            rank.proc.kill()
+            code = rank.proc.wait()
+        self.failure = (f"DP rank {rank.rank} of {len(self.ranks)} exited (code {code}); this model stopped "
+                        "serving with it: reload the model")
+        log.error("%s", self.failure)
+        with self.lock:
+            lost, self.requests = list(self.requests.values()), {}
+        for req, _, _ in lost:
+            req.sink(self._error(req.id, self.failure))
+        for other in self.ranks:
+            if other is not rank:
+                other.stop()
+
+    @staticmethod
+    def _error(request_id: str, message: str) -> RequestOutput:
+        return RequestOutput(request_id, finished=True, finish_reason="error", error=message)
+
+
+# ---- the rank process ----------------------------------------------------------------
+def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> None:
+    from backends.dp import join_group, make_rank
+    from backends.engine import Engine
+    from backends.role import make_role
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s dp{rank} %(name)s %(levelname)s %(message)s")
+    inbox, outbox = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
+    cfg, role, disagg, group_cores = inbox.recv()
+    loop_group = join_group(rank, size, port)
+    engine = Engine(cfg, role=make_role(role, disagg))
+    make_rank(engine, rank, size, loop_group, group_cores, on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
+    lock = threading.Lock()
+
+    def send(message) -> None:
+        with lock:
+            outbox.send(message)
+
+    engine.start()
+    send(("ready", engine.stats(), engine.describe()))
+    threading.Thread(target=_send_stats, args=(engine, send), daemon=True).start()
+    to_stub = lambda out: send(("out", out))
+    try:
+        while True:
+            message = inbox.recv()
+            if message[0] == "add":
+                _, request_id, prompt_ids, params, room = message
+                try:
+                    engine.generate(prompt_ids, params, to_stub, request_id=request_id, room=room)
+                except InvalidRequest as exc:  # checked by the stub already; a model mismatch lands here
+                    send(("out", DpGroup._error(request_id, str(exc))))
+            elif message[0] == "abort":
+                engine.abort(message[1])
+            else:
+                break
+    except EOFError:
+        _exit("the stub is gone", 0)
+    _exit("stopped", 0)
+
+
+def _exit(why: str, code: int) -> None:
+    """No orderly stop: the other ranks may be gone already, and a collective would wait for them."""
+    log.log(logging.WARNING if code else logging.INFO, "%s; this rank exits", why)
+    logging.shutdown()
+    os._exit(code)
+
+
+def _send_stats(engine, send) -> None:
+    while True:
+        time.sleep(STATS_EVERY_S)
+        try:
+            send(("stats", engine.stats()))
+        except OSError:
+            return
+
+
+if __name__ == "__main__":
+    rank_main(*map(int, sys.argv[1:6]))
