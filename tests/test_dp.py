@@ -1,12 +1,16 @@
-"""DP attention's model half (backends/dp.py) in two gloo ranks on this CPU: each rank runs
-attention for its own sequences and its shard of the MLP for everyone's tokens; what each
-rank computes must equal the whole model run on its sequences alone, also when the other
-rank brings an idle batch (no tokens) through the collectives."""
+"""DP attention (backends/dp.py, backends/dp_group.py) with two gloo ranks on this CPU.
+
+The model half: each rank runs attention for its own sequences and its shard of the MLP for
+everyone's tokens, equal to the whole model, also beside an idle batch. The loop half: the
+rule table's rows, with the modes each rank recorded. `dp_size` behind one model: ranks in
+processes of their own, equal to one engine for every architecture with overlap off and on,
+cancel, a killed rank, the decode role's prebuilt requests, and all of it through tritonserver."""
 import datetime
 import os
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -327,3 +331,46 @@ def test_llm_and_router_with_dp2_equal_transformers(default_model, tmp_path_fact
         for model in ("llm", "prefill", "decode"):
             assert server.wait_kv_full(model), model
         assert "DP attention, 2 ranks" in open(server.log_path).read()
+
+
+def rank_pids(server) -> list[int]:
+    """The DP rank processes under the server (`python -m backends.dp_group`), rank order."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"backends.dp_group" in args:
+            found[int(args[args.index(b"backends.dp_group") + 1])] = int(pid)
+    return [found[r] for r in sorted(found)]
+
+
+@pytest.mark.server
+def test_a_rank_killed_under_tritonserver(default_model, tmp_path):
+    """`llm` with dp_size 2, a stream on each rank, rank 1 SIGKILLed: both streams end with
+    an error naming the rank, nothing hangs, the gauge shows no rank alive, a new request is
+    refused with the same message, and the server itself keeps serving."""
+    import concurrent.futures
+    import signal
+    from client.stream import stream_generate
+    from tests.server import TritonServer
+    server = TritonServer(str(tmp_path), models=["llm"], parameters={"llm": {"dp_size": "2"}})
+    with server:
+        url = server.grpc_url
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(stream_generate, url, "llm", f"Tell a long story number {i}.", max_tokens=1500,
+                                min_tokens=np.array([1500], dtype=np.int32)) for i in range(2)]
+            assert wait_until(lambda: server.metrics()['tandem_running{model="llm"}'] == 2, 60)
+            time.sleep(1)  # both decoding, tokens streamed
+            assert server.metrics()['tandem_running{model="llm"}'] == 2
+            os.kill(rank_pids(server)[1], signal.SIGKILL)
+            results = [run.result(timeout=60) for run in runs]
+        for result in results:
+            assert result.error and "DP rank 1 of 2 exited (code -9)" in result.error, result.error
+            assert 0 < len(result.token_ids) < 1500
+        assert wait_until(lambda: server.metrics()['tandem_dp_ranks_alive{model="llm"}'] == 0)
+        assert rank_pids(server) == []
+        refused = stream_generate(url, "llm", "Hello", max_tokens=4)
+        assert refused.error and "DP rank 1 of 2 exited" in refused.error
