@@ -1,18 +1,17 @@
-"""DP attention's model half (issue 26, groundwork): attention stays with each rank's own
-requests, the MLP is tensor-parallel across the ranks.
+"""DP attention inside one rank (issue 26): attention stays with each rank's own requests,
+the MLP is tensor-parallel across the ranks. The rank processes behind one Triton model,
+dispatch, cancellation and a dead rank are `backends.dp_group`'s.
 
-Every step the ranks first agree on how many tokens each brings (`DpMlp.begin_step`, an
-all-gather). In each layer every rank gathers all ranks' MLP inputs, computes its shard of
-the intermediate dimension for all of them, and the partial outputs are summed across the
-ranks (an all-reduce; gloo has no reduce-scatter), of which each rank keeps its own rows. A
-rank with no tokens still enters every collective with an empty batch (an idle batch); when
-no rank has tokens the step runs no forward at all. gloo on the CPU; NCCL on CUDA would take
-the same calls.
+Every step the ranks first agree on how many tokens each brings (an all-gather). In each
+layer every rank gathers all ranks' MLP inputs, computes its shard of the intermediate
+dimension for all of them, and the partial outputs are summed across the ranks (an
+all-reduce; gloo has no reduce-scatter), of which each rank keeps its own rows. A rank with
+no tokens still enters every collective with an empty batch (an idle batch); when no rank
+has tokens the step runs no forward at all. gloo on the CPU, NCCL on CUDA (same calls).
 
 `DpStep` is the loop's half: once a turn, before a step is launched, the ranks agree on
 their token counts; a rank with nothing to run then launches an idle batch if any other rank
-has tokens, and no rank runs a forward when none has. Not built yet: the rank processes
-behind one Triton model, dispatch and cancellation, the decode role (see the issue).
+has tokens, and no rank runs a forward when none has.
 """
 from __future__ import annotations
 
@@ -112,11 +111,13 @@ class DpStep:
         self.mlp.counts = batch.dp_counts
 
 
-def join_group(rank: int, size: int, port: int, timeout_s: float = 60):
-    """This process as rank `rank` of a gloo group on this host; returns the loop's own
-    group (`DpStep`). A rank that dies turns the others' next collective into an error."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+def join_group(rank: int, size: int, port: int, device: str, timeout_s: float = 60):
+    """This process as rank `rank` of a group on this host (the layers' collectives: gloo on
+    the CPU, NCCL on CUDA); returns the loop's own group (`DpStep`), gloo either way: the
+    token counts live on the host. A rank that dies turns the others' next collective into
+    an error."""
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.new_group(backend="gloo")
 
 

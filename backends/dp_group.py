@@ -256,7 +256,7 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s dp{rank} %(name)s %(levelname)s %(message)s")
     inbox, outbox = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
     cfg, role, disagg, group_cores = inbox.recv()
-    loop_group = join_group(rank, size, port)
+    loop_group = join_group(rank, size, port, cfg.torch_device.type)
     engine = Engine(cfg, role=make_role(role, disagg))
     make_rank(engine, rank, size, loop_group, group_cores, on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
     lock = threading.Lock()
