@@ -28,13 +28,5 @@ sed -i 's/^name: "llm"/name: "llm_dp2"/' "$REPO/llm_dp2/config.pbtxt"
 set_param "$REPO/llm_dp2/config.pbtxt" dp_size 2
 
 start_server "$REPO" "$OUT/server.log" "$PORT_BASE" llm llm_dp2
-lscpu | grep -m1 "Model name" | tee "$OUT/cpu.txt"
 targets="--target llm=grpc://localhost:$((PORT_BASE + 1)) --target llm_dp2=grpc://localhost:$((PORT_BASE + 1))"
-runs=""
-for r in $(seq "$ROUNDS"); do
-    echo "== round $r"
-    .venv/bin/python -m client.bench $targets --concurrency $LEVELS --requests "$REQUESTS" \
-        --out "$OUT/round-$r"
-    runs="$runs $OUT/round-$r/bench.json"
-done
-if [ "$ROUNDS" -gt 1 ]; then .venv/bin/python -m client.bench --rounds $runs | tee "$OUT/rounds.txt"; fi
+run_rounds $targets

@@ -32,3 +32,18 @@ start_server() {
     echo "tritonserver not ready after 600 s" >&2
     exit 1
 }
+
+# run_rounds TARGET_ARGS...: `client.bench` with those --target arguments through LEVELS,
+# ROUNDS times (REQUESTS a level), each round into $OUT/round-N, then the medians of the
+# rounds' ratios into $OUT/rounds.txt; names the CPU first.
+run_rounds() {
+    local runs="" r
+    lscpu | grep -m1 "Model name" | tee "$OUT/cpu.txt"
+    for r in $(seq "$ROUNDS"); do
+        echo "== round $r"
+        .venv/bin/python -m client.bench "$@" --concurrency $LEVELS --requests "$REQUESTS" \
+            --out "$OUT/round-$r"
+        runs="$runs $OUT/round-$r/bench.json"
+    done
+    if [ "$ROUNDS" -gt 1 ]; then .venv/bin/python -m client.bench --rounds $runs | tee "$OUT/rounds.txt"; fi
+}

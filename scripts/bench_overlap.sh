@@ -45,12 +45,4 @@ for t in $TARGETS; do
     if [ "$t" = router ]; then models="$models prefill decode prefill_overlap decode_overlap"; fi
 done
 start_server "$REPO" "$OUT/server.log" "$PORT_BASE" $models
-lscpu | grep -m1 "Model name" | tee "$OUT/cpu.txt"
-runs=""
-for r in $(seq "$ROUNDS"); do
-    echo "== round $r"
-    .venv/bin/python -m client.bench $targets --concurrency $LEVELS --requests "$REQUESTS" \
-        --out "$OUT/round-$r"
-    runs="$runs $OUT/round-$r/bench.json"
-done
-if [ "$ROUNDS" -gt 1 ]; then .venv/bin/python -m client.bench --rounds $runs | tee "$OUT/rounds.txt"; fi
+run_rounds $targets

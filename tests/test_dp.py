@@ -317,19 +317,14 @@ def test_llm_and_router_with_dp2_equal_transformers(default_model, tmp_path_fact
     """`llm` with dp_size 2 and `router` -> `decode` with dp_size 2 (each rank one of the two
     cores) stream transformers' greedy ids for prompts sent at once; every pool is whole after."""
     from tests.server import TritonServer, free_port
-    from tests.test_router import PROMPTS, disagg_parameters, run_all
-    from tests.test_server import greedy_ids
+    from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
     parameters = disagg_parameters(free_port())
     for model in ("llm", "decode"):
         parameters[model] = {**parameters[model], "dp_size": "2", "overlap": overlap}
     server = TritonServer(str(tmp_path_factory.mktemp("repo_dp")), models=["llm", "prefill", "decode", "router"],
                           parameters=parameters)
     with server:
-        for model in ("llm", "router"):
-            for prompt, result in zip(PROMPTS, run_all(server.grpc_url, model, PROMPTS)):
-                assert result.error is None and result.token_ids == greedy_ids(prompt, 32), (model, prompt[:40])
-        for model in ("llm", "prefill", "decode"):
-            assert server.wait_kv_full(model), model
+        assert_llm_and_router_equal_transformers(server)
         assert "DP attention, 2 ranks" in open(server.log_path).read()
 
 

@@ -125,17 +125,12 @@ def test_llm_and_router_with_overlap_equal_transformers(default_model, tmp_path_
     """Through tritonserver, every engine with overlap on: `llm` and `router` (prefill and
     decode both overlapping) stream transformers' greedy text, prompts at once."""
     from tests.server import TritonServer, free_port
-    from tests.test_router import PROMPTS, disagg_parameters, run_all
-    from tests.test_server import greedy_ids
+    from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
     parameters = {model: {**knobs, "overlap": "on"} for model, knobs in disagg_parameters(free_port()).items()}
     server = TritonServer(str(tmp_path_factory.mktemp("repo_overlap")), models=["llm", "prefill", "decode", "router"],
                           parameters=parameters)
     with server:
-        for model in ("llm", "router"):
-            for prompt, result in zip(PROMPTS, run_all(server.grpc_url, model, PROMPTS)):
-                assert result.error is None and result.token_ids == greedy_ids(prompt, 32), (model, prompt[:40])
-        for model in ("llm", "prefill", "decode"):
-            assert server.wait_kv_full(model), model
+        assert_llm_and_router_equal_transformers(server)
 
 
 def test_a_failed_step_costs_the_next_step_nothing(checkpoint, monkeypatch):

@@ -39,6 +39,17 @@ def run_all(url: str, model: str, prompts: list[str], max_tokens: int = 32):
         return list(pool.map(lambda p: stream_generate(url, model, p, max_tokens=max_tokens, chat=True), prompts))
 
 
+def assert_llm_and_router_equal_transformers(server) -> None:
+    """Every prompt at once through `llm` and through `router`: transformers' greedy ids;
+    afterwards every engine's KV pool is whole."""
+    from tests.test_server import greedy_ids
+    for model in ("llm", "router"):
+        for prompt, result in zip(PROMPTS, run_all(server.grpc_url, model, PROMPTS)):
+            assert result.error is None and result.token_ids == greedy_ids(prompt, 32), (model, prompt[:40])
+    for model in ("llm", "prefill", "decode"):
+        assert server.wait_kv_full(model), model
+
+
 def test_router_equals_llm_and_transformers(router_server):
     from tests.test_server import greedy_reference
     routed = run_all(router_server.grpc_url, "router", PROMPTS)
