@@ -50,6 +50,9 @@ class Step:
     result: Future
 
 
+# How often a loop that waits for the cores looks again (new requests and transfer events
+# wake it sooner)
+TURN_POLL_S = 0.005
 # A DP rank's idle turn: a request that arrives at another rank waits for it (TTFT)
 DP_IDLE_TURN_S = 0.005
 
@@ -137,6 +140,7 @@ class Scheduler:
         self._wake.clear()
         self._take_inbox()
         self.role.advance()
+        self._wait_for_cores()
         self._free_deferred()
         batch = self.schedule()
         if self.dp is not None:  # every rank takes this turn: an idle batch keeps the collectives in step
@@ -150,6 +154,23 @@ class Scheduler:
             # by another rank's request, and every rank takes every turn: short turns
             self._wake.wait(wait_s if self.dp is None else min(wait_s, DP_IDLE_TURN_S))
         return done is not None or launched is not None
+
+    def _wait_for_cores(self) -> None:
+        """Where engines take turns at the cores (backends.cores) and another engine's forward
+        holds them, a forward launched now would only wait, and the loop with it. Wait here
+        instead, taking new requests and the role's events as they come: decode hands out KV
+        destinations at once, and requests whose KV landed join the next step. (Blocked in the
+        turn, decode took a new request 117 ms after the router sent it, p50 at 8 streams.)
+        Not for an engine that goes first (prefill): its place in the queue is held by
+        waiting inside the turn."""
+        turns = self.runner.turns
+        if turns is None or turns.first or self.in_flight is not None or not (self.running or self.waiting):
+            return
+        while turns.busy():
+            self._wake.wait(TURN_POLL_S)
+            self._wake.clear()
+            self._take_inbox()
+            self.role.advance()
 
     def _launch(self, batch: Batch) -> Step:
         """Inputs built here; the forward and sampling run now (overlap off) or on the

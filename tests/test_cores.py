@@ -79,3 +79,46 @@ def test_a_queued_prefill_forward_goes_before_the_next_decode_forwards(lock_dir)
     stop.set()
     loop.join(5)
     assert len([t for t in steps if queued_at[0] < t < entered]) <= 1
+
+
+def test_busy_sees_other_engines_and_never_touches_its_own_locks(lock_dir):
+    decode, prefill, other = CoreTurns([0], first=False), CoreTurns([0], first=True), CoreTurns([0], first=False)
+    assert not decode.busy()
+    with prefill:
+        assert decode.busy()
+    assert not decode.busy()
+    with decode:
+        decode.busy()   # probes its own turn: must not release it
+        entered = threading.Event()
+        waiter = threading.Thread(target=lambda: other.__enter__() and entered.set())
+        waiter.start()
+        assert not entered.wait(0.2), "probing released the engine's own turn"
+    waiter.join(5)
+    other.__exit__()
+    import fcntl
+    fd = os.open(os.path.join(cores.LOCK_DIR, "tandem-core0.queue"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)   # a prefill forward queued for the core
+    assert decode.busy()
+    os.close(fd)
+
+
+def test_a_loop_waiting_for_the_cores_still_takes_new_requests(lock_dir, checkpoint):
+    """While another engine's forward holds the cores, an engine that takes turns (and does
+    not go first) waits before its forward, not inside it: a new request is taken at once."""
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine
+    engine = small_engine(checkpoint("llama"), core_turns="on")
+    try:
+        params = SamplingParams(max_tokens=200, min_tokens=200)
+        engine.generate([5, 6, 7], params, lambda out: None)
+        while not engine.scheduler.running:
+            time.sleep(0.01)
+        with CoreTurns(engine.cfg.cores, first=True):   # a prefill forward holds every core
+            new = engine.generate([8, 9, 10], SamplingParams(max_tokens=4), lambda out: None)
+            deadline = time.monotonic() + 1
+            while new not in engine.scheduler.requests and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert new in engine.scheduler.requests, "the loop waited inside the turn"
+        assert collect(engine, [[11, 12]], SamplingParams(max_tokens=3))[0][-1].finish_reason == "length"
+    finally:
+        engine.stop()
