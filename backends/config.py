@@ -62,6 +62,10 @@ class EngineConfig:
     overlap: str = field(default="off", metadata={
         "doc": "on = the next step is scheduled and launched while the last one's tokens are streamed (a "
                "forward thread runs the steps, a decode's input token is resolved when its step starts); off"})
+    cuda_graphs: str = field(default="auto", metadata={
+        "doc": "decode steps replayed as CUDA graphs captured at load, one per batch-size bucket (1, 2, 4, 8, "
+               "then every 8 to max_running_requests; larger batches and prefill steps run eagerly): on; off; "
+               "auto = on on cuda with the triton attention backend, off elsewhere (on is refused there)"})
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -77,17 +81,13 @@ class EngineConfig:
             raise ValueError(f"dllm_mixed_batches must be on or off, got {self.dllm_mixed_batches!r}")
         if self.overlap not in ("on", "off"):
             raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         parse_cores(self.cpu_cores)
+        self._check_dp_size()
         if self.num_pages < 0 or self.threads < 0 or self.max_context < 0 or self.max_batch_tokens < 0:
             raise ValueError("num_pages, threads, max_context and max_batch_tokens must be >= 0")
 
-    @staticmethod
-    def from_params(params: dict[str, str], **overrides) -> "EngineConfig":
-        """From Triton's string parameters; unknown names are refused, blanks keep defaults."""
-        self._check_dp_size()
-        known = {f.name: f for f in fields(EngineConfig)}
-        values = {}
-        for name, text in params.items():
     def _check_dp_size(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
@@ -112,6 +112,12 @@ class EngineConfig:
         """The longest prompt + output for a model of `max_position` positions."""
         return min(self.max_context or max_position, max_position)
 
+    @staticmethod
+    def from_params(params: dict[str, str], **overrides) -> "EngineConfig":
+        """From Triton's string parameters; unknown names are refused, blanks keep defaults."""
+        known = {f.name: f for f in fields(EngineConfig)}
+        values = {}
+        for name, text in params.items():
             if name not in known:
                 continue  # parameters of the adapter itself (e.g. transfer knobs) are not engine knobs
             if text.strip() == "":

@@ -15,11 +15,13 @@ import torch
 
 from backends.config import EngineConfig
 from backends.cores import CoreTurns
+from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
 from backends.kv_cache import PagePool, allocate_kv_buffer
 from backends.model import load_model
-from backends.request import Request
+from backends.request import Request, SamplingParams
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
+from kernels.host_pack import IntPack
 from kernels.torch_ref import TorchAttention
 
 
@@ -35,9 +37,9 @@ class Batch:
     def __post_init__(self):
         self.samples = [r for r, n in self.items if r.num_computed + n == r.num_tokens]
         self.starts = [r.num_computed for r, _ in self.items]
+        self.dp_counts: list[int] | None = None  # every DP rank's token count this step (backends.dp)
 
     @property
-        self.dp_counts: list[int] | None = None  # every DP rank's token count this step (backends.dp)
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
@@ -45,13 +47,30 @@ class Batch:
 @dataclass
 class StepInputs:
     """A batch as the forward takes it, built on the scheduler thread. `futures` are
-    (index in ids, (step, row)) of tokens that an earlier step is still sampling."""
+    (index in ids, (step, row)) of tokens that an earlier step is still sampling. `tensors`
+    holds ids, positions and rows on the device (kernels.host_pack: one copy on CUDA). A
+    step that a CUDA graph runs has no plan and no tensors but its graph's bucket and its
+    inputs in the graph's layout on the host, copied in when it runs."""
 
     ids: list[int]
     positions: list[int]
     rows: list[int]
     plan: object
     futures: list[tuple[int, tuple[int, int]]]
+    tensors: dict[str, torch.Tensor]
+    graph: int | None = None
+    host: torch.Tensor | None = None
+
+
+def pack_inputs(pack: IntPack, ids: list[int], positions: list[int], rows: list[int], q_lens: list[int],
+                kv_lens: list[int], page_tables: list[list[int]], page_size: int, width: int = 0,
+                pad: int = 0) -> None:
+    """A step's arrays into one pack: the model's inputs, then the attention metadata's.
+    pad: padding decodes after the real ones (a CUDA graph's bucket; see AttentionMetadata.add_to)."""
+    pack.add("ids", ids + [0] * pad, torch.long)
+    pack.add("positions", positions + [0] * pad, torch.long)
+    pack.add("rows", rows, torch.long)
+    AttentionMetadata.add_to(pack, q_lens, kv_lens, page_tables, page_size, width, pad)
 
 
 class ModelRunner:
@@ -82,6 +101,47 @@ class ModelRunner:
             self.attn = create_backend(self.attention_backend, self.device)
             self.model.decoder = pick_decoder(self.model, self.attn)
         self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
+        self.packed = self.device.type == "cuda"  # a step's arrays in one pinned copy (tests set it on a CPU)
+        use_graphs = graphs_enabled(cfg.cuda_graphs, self.device.type, self.attention_backend, cfg.role)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._warm_up()
+        if use_graphs:
+            self.graphs = DecodeGraphs(bucket_sizes(cfg.max_running_requests))
+            self.graphs.capture(self._graph_inputs)
+
+    def _warm_up(self) -> None:
+        """Triton compiles a kernel on its first launch (seconds): a prefill and a decode
+        forward here, at load, so that the first request does not wait for it."""
+        n = max(2, min(self.cfg.page_size, self.max_context))
+        req = Request("warm-up", [0] * n, SamplingParams(), None, None)
+        req.pages = self.pool.allocate(self.pool.pages_for(n)) or []
+        if not req.pages:
+            return
+        try:
+            self.run(Batch([(req, n)]))   # the extend kernel
+            req.num_computed = n - 1
+            self.run(Batch([(req, 1)]))   # the decode kernels
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.pool.free(req.pages)
+
+    def _graph_inputs(self, bucket: int):
+        """A graph's capture: its pack of `bucket` padding decodes, and the forward over the
+        views of that pack's device buffer (split count fixed by the longest context)."""
+        pack = IntPack(self.device, packed=True)
+        pack_inputs(pack, [], [], list(range(bucket)), [], [], [], self.cfg.page_size, self.graph_width, bucket)
+
+        def forward(views: dict[str, torch.Tensor]) -> torch.Tensor:
+            meta = AttentionMetadata.from_pack([1] * bucket, [self.max_context] * bucket, self.cfg.page_size, views)
+            return self.model.forward(views["ids"], views["positions"], self.kv, self.attn, self.attn.plan(meta),
+                                      views["rows"])
+        return pack, forward
+
+    @property
+    def graph_width(self) -> int:
+        """A graph's page-table width: the pages of the longest context."""
+        return -(-self.max_context // self.cfg.page_size)
 
     def _num_pages(self) -> int:
         if self.cfg.num_pages:
@@ -107,9 +167,26 @@ class ModelRunner:
             if start + n == req.num_tokens:  # it samples: its last row, or a diffusion block's rows
                 wanted = len(req.block) if req.block is not None else 1
                 rows.extend(range(len(ids) - wanted, len(ids)))
-        meta = AttentionMetadata.build(q_lens, kv_lens, [r.pages for r, _ in batch.items],
-                                       self.cfg.page_size, self.device)
-        return StepInputs(ids, positions, rows, self.attn.plan(meta), futures)
+        pages = [r.pages for r, _ in batch.items]
+        bucket = self._graph_bucket(q_lens, rows)
+        if bucket is not None:
+            pack = IntPack(self.device, packed=True)
+            pack_inputs(pack, ids, positions, list(range(bucket)), q_lens, kv_lens, pages, self.cfg.page_size,
+                        self.graph_width, bucket - len(q_lens))
+            return StepInputs(ids, positions, rows, None, futures, {}, bucket, self.graphs.host(bucket, pack))
+        pack = IntPack(self.device, self.packed)
+        pack_inputs(pack, ids, positions, rows, q_lens, kv_lens, pages, self.cfg.page_size)
+        tensors = pack.send()
+        meta = AttentionMetadata.from_pack(q_lens, kv_lens, self.cfg.page_size, tensors)
+        return StepInputs(ids, positions, rows, self.attn.plan(meta), futures, tensors)
+
+    def _graph_bucket(self, q_lens: list[int], rows: list[int]) -> int | None:
+        """The CUDA graph that runs this step: decodes only, each sampling (its output row is
+        its own), no DP collectives; None runs it eagerly."""
+        if self.graphs is None or self.model.mlp is not None or len(rows) != len(q_lens) \
+                or any(q != 1 for q in q_lens):
+            return None
+        return self.graphs.bucket(len(q_lens))
 
     def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
@@ -120,7 +197,21 @@ class ModelRunner:
         if self._step_thread != threading.get_ident() and self.device.type == "cpu":
             self._step_thread = threading.get_ident()
             torch.set_num_threads(self.cfg.num_threads)
-        tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         with self.turns or contextlib.nullcontext():
-            return self.model.forward(tensor(step.ids), tensor(step.positions), self.kv, self.attn, step.plan,
-                                      tensor(step.rows), after_layer)
+            if step.graph is not None:
+                return self.graphs.replay(step.graph, step.host, len(step.rows), lambda ids: self._resolve(step, ids))
+            t = step.tensors
+            self._resolve(step, t["ids"])
+            return self.model.forward(t["ids"], t["positions"], self.kv, self.attn, step.plan, t["rows"], after_layer)
+
+    def _resolve(self, step: StepInputs, ids: torch.Tensor) -> None:
+        """Write the tokens that an earlier step was still sampling when this one was prepared
+        (overlap) into its ids: known only now, so on CUDA a second, small copy."""
+        if not step.futures:
+            return
+        index = [i for i, _ in step.futures]
+        pack = IntPack(self.device, self.packed)
+        pack.add("index", index, torch.long)
+        pack.add("tokens", [step.ids[i] for i in index], torch.long)
+        t = pack.send()
+        ids.index_copy_(0, t["index"], t["tokens"])

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_pack import IntPack
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -27,8 +29,15 @@ class AttentionMetadata:
     q_lens: list[int]           # new tokens per sequence
     kv_lens: list[int]          # tokens in cache after this step (prefix + new)
     page_table: torch.Tensor    # [B, max_pages] int32, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64: page * S + offset of each new token
+    slot_mapping: torch.Tensor  # [T] int64: page * S + offset of each new token; -1: a padding token
     page_size: int
+    # The batch's layout on the device, for kernels that read it there (the Triton backend);
+    # made in the step's one copy with the rest (kernels.host_pack).
+    seq_lens: torch.Tensor      # [B] int32: kv_lens
+    cu_q: torch.Tensor          # [B + 1] int32: first token row of every sequence, then T
+    decode_seqs: torch.Tensor   # [Bd] int32: the sequences with q_len 1 ...
+    decode_rows: torch.Tensor   # [Bd] int32: ... and their token rows
+    extend_seqs: torch.Tensor   # [Be] int32: the sequences with q_len > 1
 
     def __post_init__(self):
         if len(self.q_lens) != len(self.kv_lens):
@@ -56,17 +65,46 @@ class AttentionMetadata:
     def build(q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]],
               page_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
         """Metadata from per-sequence page lists (the scheduler's view)."""
-        # Plain Python lists and one tensor each: per-sequence tensor ops cost more than
-        # the arithmetic at decode batch sizes on a CPU.
-        width = max((len(p) for p in page_tables), default=1) or 1
-        table = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.int32) \
-            if page_tables else torch.zeros((0, width), dtype=torch.int32)
+        pack = IntPack(device)
+        AttentionMetadata.add_to(pack, q_lens, kv_lens, page_tables, page_size)
+        return AttentionMetadata.from_pack(q_lens, kv_lens, page_size, pack.send())
+
+    @staticmethod
+    def add_to(pack: IntPack, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]],
+               page_size: int, width: int = 0, pad: int = 0) -> None:
+        """The batch's integer arrays into `pack`, to travel in one copy with the step's others.
+        width: the page table's (0 = the longest sequence's pages; pages past it are never
+        read: a graph's width covers the longest context); pad: padding sequences
+        after the real ones (a CUDA graph's bucket), each one decode token with one cached
+        position, no page (row of page 0) and slot -1 (no KV write)."""
+        # Plain Python lists: per-sequence tensor ops cost more than the arithmetic at decode
+        # batch sizes on a CPU.
+        width = width or max((len(p) for p in page_tables), default=1) or 1
+        table = [x for p in page_tables for x in p[:width] + [0] * (width - len(p))] + [0] * (width * pad)
         slots = [pages[pos // page_size] * page_size + pos % page_size
-                 for pages, q, kv in zip(page_tables, q_lens, kv_lens) for pos in range(kv - q, kv)]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        return AttentionMetadata(
-            q_lens=list(q_lens), kv_lens=list(kv_lens), page_table=table.to(device),
-            slot_mapping=slot_mapping.to(device), page_size=page_size)
+                 for pages, q, kv in zip(page_tables, q_lens, kv_lens) for pos in range(kv - q, kv)] + [-1] * pad
+        q_lens, kv_lens = list(q_lens) + [1] * pad, list(kv_lens) + [1] * pad
+        cu_q = [0]
+        for q in q_lens:
+            cu_q.append(cu_q[-1] + q)
+        decodes = [i for i, q in enumerate(q_lens) if q == 1]
+        pack.add("page_table", table, torch.int32, (len(q_lens), width))
+        pack.add("slot_mapping", slots, torch.int64)
+        pack.add("seq_lens", kv_lens, torch.int32)
+        pack.add("cu_q", cu_q, torch.int32)
+        pack.add("decode_seqs", decodes, torch.int32)
+        pack.add("decode_rows", [cu_q[i] for i in decodes], torch.int32)
+        pack.add("extend_seqs", [i for i, q in enumerate(q_lens) if q > 1], torch.int32)
+
+    @staticmethod
+    def from_pack(q_lens: list[int], kv_lens: list[int], page_size: int,
+                  tensors: dict[str, torch.Tensor]) -> "AttentionMetadata":
+        """The metadata over the arrays add_to packed (`IntPack.send`'s or `views`' result)."""
+        return AttentionMetadata(q_lens=list(q_lens), kv_lens=list(kv_lens), page_size=page_size,
+                                 **{name: tensors[name] for name in DEVICE_ARRAYS})
+
+
+DEVICE_ARRAYS = ("page_table", "slot_mapping", "seq_lens", "cu_q", "decode_seqs", "decode_rows", "extend_seqs")
 
 
 class AttentionBackend(ABC):

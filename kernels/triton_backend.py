@@ -1,7 +1,7 @@
 """Paged attention with the Triton kernels of kernels.triton_kernels.
 
-plan() turns the batch's metadata into a few small int32 tensors on the cache's
-device (kv_lens, cu_seqlens of q, which sequences decode and which extend), so
+plan() takes the batch's small int32 arrays on the cache's device from the
+metadata (kv_lens, cu_seqlens of q, which sequences decode and which extend), so
 every layer launches at most three kernels with no host work: the split-KV
 decode (two phases) for the q_len 1 sequences and the varlen extend kernel for
 the others. On CPU the kernels only run under TRITON_INTERPRET=1 (tests).
@@ -49,26 +49,12 @@ class TritonAttention(AttentionBackend):
         self.block_m = block_m
 
     def plan(self, meta: AttentionMetadata) -> TritonPlan:
-        dev = meta.page_table.device
-        cu_q, dec_rows, dec_seqs, ext_seqs = [0], [], [], []
-        for i, q_len in enumerate(meta.q_lens):
-            if q_len == 1:
-                dec_rows.append(cu_q[-1])
-                dec_seqs.append(i)
-            elif q_len > 1:
-                ext_seqs.append(i)
-            cu_q.append(cu_q[-1] + q_len)
-
-        def ints(xs):
-            return torch.tensor(xs, dtype=torch.int32, device=dev)
-
+        """No tensor of its own: the arrays came with the metadata, in the step's one copy."""
+        decodes = [kv for q, kv in zip(meta.q_lens, meta.kv_lens) if q == 1]
         return TritonPlan(
-            meta=meta, page_table=meta.page_table.to(torch.int32).contiguous(),
-            kv_lens=ints(meta.kv_lens), cu_q=ints(cu_q),
-            dec_rows=ints(dec_rows), dec_seqs=ints(dec_seqs),
-            max_dec_kv=max((meta.kv_lens[i] for i in dec_seqs), default=0),
-            ext_seqs=ints(ext_seqs),
-            max_ext_q=max((meta.q_lens[i] for i in ext_seqs), default=0))
+            meta=meta, page_table=meta.page_table.contiguous(), kv_lens=meta.seq_lens, cu_q=meta.cu_q,
+            dec_rows=meta.decode_rows, dec_seqs=meta.decode_seqs, max_dec_kv=max(decodes, default=0),
+            ext_seqs=meta.extend_seqs, max_ext_q=max((q for q in meta.q_lens if q > 1), default=0))
 
     def store_kv(self, k, v, k_cache, v_cache, plan: TritonPlan) -> None:
         tk.store_kv(k, v, k_cache, v_cache, plan.meta.slot_mapping)

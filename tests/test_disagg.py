@@ -63,6 +63,78 @@ def test_layer_groups_cover_every_layer_once():
     assert layer_groups(7, 0) == [range(0, 7)]
 
 
+# ---- on a GPU the transfer thread, not the forward, waits for each group's KV -----------
+class FakeEvent:
+    """torch.cuda.Event on a CPU: says whether it was recorded and which threads waited on it."""
+
+    def __init__(self):
+        self.recorded, self.waits = False, []
+
+    def record(self):
+        self.recorded = True
+
+    def synchronize(self):
+        self.waits.append(threading.current_thread().name)
+
+
+def test_a_cuda_prefill_records_an_event_per_layer_group_and_never_waits_for_the_stream(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from backends.disagg.prefill import PrefillRole
+    from backends.kv_cache import PagePool
+    from backends.request import Request
+    from backends.runner import Batch
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(FakeEvent()) or made[-1])
+
+    def stream():
+        raise AssertionError("the forward waited for the whole stream")
+    monkeypatch.setattr(torch.cuda, "current_stream", stream)
+    role, pool, writes = PrefillRole(DisaggConfig(pipeline_group_size=2)), PagePool(16, 4), []
+    model = SimpleNamespace(cfg=SimpleNamespace(num_layers=6))
+    role.scheduler = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda"), model=model), pool=pool)
+    role.worker = SimpleNamespace(trace=None, write=lambda *args: writes.append(args))
+    req = Request("r", list(range(12)), SamplingParams(), None, None, room=5)
+    req.pages = pool.allocate(3)
+    role.dests[5] = ("peer", {"pages": [7, 8, 9]}, 0.0)
+    hook = role.layer_hook(Batch([(req, 12)]))
+    for layer in range(6):
+        hook(layer)
+    assert [w[2] for w in writes] == layer_groups(6, 2)  # (room, peer, layers, local, remote, ready)
+    assert all(w[3] == req.pages and w[4] == [7, 8, 9] for w in writes)
+    assert [w[5] for w in writes] == made and len(made) == 3 and all(e.recorded for e in made)
+
+
+def test_the_transfer_thread_waits_for_the_event_before_nixl_reads_the_pages():
+    from types import SimpleNamespace
+
+    from backends.disagg.worker import TransferWorker
+    order = []
+
+    class Transport:
+        def write_kv(self, peer, local, remote, layers):
+            order.append(("write_kv", threading.current_thread().name))
+            return SimpleNamespace(nbytes=1, released=False)
+
+        def messages(self):
+            return []
+
+        def poll(self, handle):
+            return "PROC"
+
+        def close(self):
+            pass
+    event, worker = FakeEvent(), TransferWorker(Transport(), lambda: None, 30)
+    try:
+        worker.write(1, "peer", range(0, 2), [1], [2], event)
+        assert wait_for(lambda: order)
+    finally:
+        worker.stop()
+    assert event.waits == ["tandem-transfer"] and order == [("write_kv", "tandem-transfer")]
+
+
 # ---- exact output ------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["off", "on"], ids=["overlap-off", "overlap-on"])
 def pair(checkpoint, request):
@@ -153,10 +225,10 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
         events, posted, freed_early = [], set(), []
         write, free, preempt = role.worker.write, pool.free, role.on_preempt
 
-        def record_write(room, peer, layers, local, remote):
+        def record_write(room, peer, layers, local, remote, ready=None):
             events.append(("write", room, tuple(remote)))
             posted.update(local)
-            write(room, peer, layers, local, remote)
+            write(room, peer, layers, local, remote, ready)
 
         def record_free(pages):
             if not gate.is_set():

@@ -31,6 +31,15 @@ log = logging.getLogger("tandem.prefill")
 PREEMPT_DRAIN_S = 0.5
 
 
+def kv_written() -> "torch.cuda.Event":
+    """An event on the forward's stream after the layer group's KV stores: NIXL may read the
+    pages once it has passed. (A stream synchronize here kept the forward from launching the
+    next group's kernels until the GPU had caught up.)"""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def prefill_agent_name(port: int) -> str:
     return f"tandem-prefill-{port}"
 
@@ -156,10 +165,9 @@ class PrefillRole:
             group = ends.get(i)
             if group is None:
                 return
-            if on_gpu:
-                torch.cuda.current_stream().synchronize()  # the KV must be in memory before NIXL reads it
+            ready = kv_written() if on_gpu else None  # the transfer thread waits for it, the forward goes on
             for room, peer, local, remote in plans:
-                self.worker.write(room, peer, group, local, remote)
+                self.worker.write(room, peer, group, local, remote, ready)
         return after_layer
 
     # ---- internals -----------------------------------------------------------------

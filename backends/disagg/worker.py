@@ -114,14 +114,18 @@ class TransferWorker:
         self.fences = waiting
 
     # ---- prefill side: shipments ---------------------------------------------------
-    def write(self, room: int, peer: str, layers: range, local: list[int], remote: list[int]) -> None:
-        """Queue a write of these layers' pages (runs in the worker thread)."""
+    def write(self, room: int, peer: str, layers: range, local: list[int], remote: list[int],
+              ready=None) -> None:
+        """Queue a write of these layers' pages (runs in the worker thread); `ready` (a CUDA
+        event, None on a CPU) has passed once the forward has stored them."""
         def post():
             if room in self.closed or not local:
                 return
             ship = self.shipments.setdefault(room, Shipment(room, peer))
             if ship.cancelled:
                 return
+            if ready is not None:
+                ready.synchronize()
             start = time.perf_counter()
             try:
                 h = self.transport.write_kv(peer, local, remote, layers)
