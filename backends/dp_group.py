@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -254,6 +255,12 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     from backends.engine import Engine
     from backends.role import make_role
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s dp{rank} %(name)s %(levelname)s %(message)s")
+    # A rank lives as long as its stub (it exits when the stub says stop or its pipe closes),
+    # and like the stub it ignores the signals a terminal or a script sends the server's
+    # process group: otherwise Ctrl-C or a group SIGTERM at shutdown would kill the ranks
+    # first, and the stub would report a dead rank while the model is unloading.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
     cfg, role, disagg, group_cores = inbox.recv()
     loop_group = join_group(rank, size, port, cfg.torch_device.type)
