@@ -152,7 +152,7 @@ class DpGroup:
             rank = min((r for r in self.ranks if r.alive), key=lambda r: r.load)  # fewest tokens to compute
             rank.load += load
             self.requests[req.id] = (req, rank, load)
-        rank.send(("add", req.id, req.prompt_ids, req.params, req.room))
+        rank.send_quietly(("add", req.id, req.prompt_ids, req.params, req.room))  # a dead rank: see _rank_died
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[RequestOutput], None],
                  request_id: str | None = None, room: int | None = None) -> str:

@@ -104,21 +104,29 @@ def test_busy_sees_other_engines_and_never_touches_its_own_locks(lock_dir):
 
 def test_a_loop_waiting_for_the_cores_still_takes_new_requests(lock_dir, checkpoint):
     """While another engine's forward holds the cores, an engine that takes turns (and does
-    not go first) waits before its forward, not inside it: a new request is taken at once."""
+    not go first) waits before its forward, not inside it: a request that comes meanwhile is
+    taken at once. (The cores are taken while the engine is idle: an engine caught between
+    its look at the cores and its own turn would wait inside the turn, as before.)"""
     from backends.request import SamplingParams
     from tests.engine_utils import collect, small_engine
     engine = small_engine(checkpoint("llama"), core_turns="on")
-    try:
-        params = SamplingParams(max_tokens=200, min_tokens=200)
-        engine.generate([5, 6, 7], params, lambda out: None)
-        while not engine.scheduler.running:
+
+    def taken(request_id: str) -> bool:
+        deadline = time.monotonic() + 1
+        while request_id not in engine.scheduler.requests and time.monotonic() < deadline:
             time.sleep(0.01)
+        return request_id in engine.scheduler.requests
+
+    try:
+        outs = []
         with CoreTurns(engine.cfg.cores, first=True):   # a prefill forward holds every core
-            new = engine.generate([8, 9, 10], SamplingParams(max_tokens=4), lambda out: None)
-            deadline = time.monotonic() + 1
-            while new not in engine.scheduler.requests and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert new in engine.scheduler.requests, "the loop waited inside the turn"
+            first = engine.generate([5, 6, 7], SamplingParams(max_tokens=4), outs.append)
+            assert taken(first)   # the loop's turn takes it, then waits for the cores
+            time.sleep(0.05)
+            second = engine.generate([8, 9, 10], SamplingParams(max_tokens=4), outs.append)
+            assert taken(second), "the loop waited inside the turn"
+            assert not outs   # nothing ran while the cores were held
         assert collect(engine, [[11, 12]], SamplingParams(max_tokens=3))[0][-1].finish_reason == "length"
+        assert sum(o.finished for o in outs) == 2
     finally:
         engine.stop()
