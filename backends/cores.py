@@ -43,8 +43,7 @@ class CoreTurns:
         self.first = first   # the prefill role: decode forwards that have not started wait behind it
         self.turns = [self._open(f"tandem-core{c}.turn") for c in cores]
         self.queue = [self._open(f"tandem-core{c}.queue") for c in cores]
-        self.probes = [self._open(f"tandem-core{c}.turn") for c in cores]
-        self.queue_probes = [self._open(f"tandem-core{c}.queue") for c in cores]
+        self.probes = [self._open(f"tandem-core{c}.{kind}") for kind in ("turn", "queue") for c in cores]
 
     @staticmethod
     def _open(name: str) -> int:
@@ -70,7 +69,7 @@ class CoreTurns:
         """Whether another engine's forward holds these cores or a prefill forward is queued
         for them, so that a forward of an engine that does not go first would wait now. Probes
         on file descriptions of its own, so this engine's locks are never touched."""
-        for fd in self.probes + self.queue_probes:
+        for fd in self.probes:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -83,5 +82,5 @@ class CoreTurns:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        for fd in self.turns + self.queue + self.probes + self.queue_probes:
+        for fd in self.turns + self.queue + self.probes:
             os.close(fd)

@@ -24,6 +24,14 @@ import torch.distributed as dist
 from backends.runner import Batch
 
 
+def all_token_counts(num_tokens: int, size: int, group=None) -> list[int]:
+    """Every rank's token count (all ranks call it, in the same order)."""
+    mine = torch.tensor([num_tokens], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    return [int(c) for c in every]
+
+
 class DpMlp:
     """The MLP of a LlamaModel as this rank's shard; set as `model.mlp`."""
 
@@ -41,11 +49,9 @@ class DpMlp:
         self.counts = [0] * size
 
     def begin_step(self, num_tokens: int) -> list[int]:
-        """Every rank's token count for this step (all ranks call it, in the same order)."""
-        mine = torch.tensor([num_tokens], dtype=torch.int64)
-        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        dist.all_gather(every, mine, group=self.group)
-        self.counts = [int(c) for c in every]
+        """Every rank's token count for this step, on the MLP's own group (the model-level
+        tests; the loop agrees through DpStep)."""
+        self.counts = all_token_counts(num_tokens, self.size, self.group)
         return self.counts
 
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -89,15 +95,12 @@ class DpStep:
         """This rank's batch, an idle batch (`Batch([])`) when only other ranks have tokens,
         or None when no rank has any (then no rank runs a forward). The batch carries every
         rank's token count to its forward (`begin_forward`)."""
-        mine = torch.tensor([batch.num_tokens if batch is not None else 0], dtype=torch.int64)
-        every = [torch.zeros(1, dtype=torch.int64) for _ in range(self.mlp.size)]
         try:
-            dist.all_gather(every, mine, group=self.group)
+            counts = all_token_counts(batch.num_tokens if batch is not None else 0, self.mlp.size, self.group)
         except RuntimeError as exc:  # gloo: a peer's connection closed or timed out
             if self.on_broken is not None:
                 self.on_broken(exc)
             raise
-        counts = [int(c) for c in every]
         if not any(counts):
             self._record("none")
             return None

@@ -48,7 +48,7 @@ def _python() -> str:
     return shutil.which("python3") or "python3"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -96,10 +96,6 @@ class RankProcess:
         except OSError:
             pass  # the rank is gone; the relay thread ends its requests
 
-    def stop(self) -> None:
-        self.send_quietly(("stop",))
-        self.join()
-
     def join(self) -> None:
         try:
             self.proc.wait(STOP_TIMEOUT_S)
@@ -118,7 +114,7 @@ class DpGroup:
         self.model_cfg = ModelConfig.load(cfg.model_path)
         self.max_context = cfg.context_limit(self.model_cfg.max_position)
         self.before_relay = before_relay   # the adapter's send drain (see SendPool)
-        port = _free_port()
+        port = free_port()
         self.ranks = [RankProcess(r, cfg.dp_size, port, cfg.for_rank(r), role, disagg, cfg.cores)
                       for r in range(cfg.dp_size)]
         self.requests: dict[str, tuple[Request, RankProcess, int]] = {}   # id -> (request, rank, its load)
@@ -185,6 +181,9 @@ class DpGroup:
 
     def stop(self) -> None:
         self.failure = self.failure or "the model is unloading"
+        self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
         for rank in self.ranks:  # all at once: a rank that stops first breaks the others' collectives
             rank.send_quietly(("stop",))
         for rank in self.ranks:
@@ -240,9 +239,7 @@ class DpGroup:
             lost, self.requests = list(self.requests.values()), {}
         for req, _, _ in lost:
             req.sink(self._error(req.id, self.failure))
-        for other in self.ranks:
-            if other is not rank:
-                other.stop()
+        self._stop_ranks()  # the dead one is reaped already
 
     @staticmethod
     def _error(request_id: str, message: str) -> RequestOutput:

@@ -86,7 +86,7 @@ class ModelRunner:
             torch.set_num_threads(1)
         self.model = load_model(cfg.model_path, self.device, self.dtype)
         mc = self.model.cfg
-        self.max_context = min(cfg.max_context or mc.max_position, mc.max_position)
+        self.max_context = cfg.context_limit(mc.max_position)
         self.pool = PagePool(self._num_pages(), cfg.page_size)
         self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
                                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device)

@@ -7,7 +7,7 @@
 #   OUT=artifacts/bench-dp ROUNDS=2 bash scripts/bench_dp.sh
 #
 # Environment: OUT, ROUNDS (2), LEVELS ("1 8 16"), REQUESTS (32 per level),
-# PORT_BASE (18400: http, +1 grpc, +2 metrics).
+# PORT_BASE (18500: http, +1 grpc, +2 metrics).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -15,7 +15,7 @@ OUT=${OUT:-$ROOT/artifacts/bench-dp}
 ROUNDS=${ROUNDS:-2}
 LEVELS=${LEVELS:-"1 8 16"}
 REQUESTS=${REQUESTS:-32}
-PORT_BASE=${PORT_BASE:-18400}
+PORT_BASE=${PORT_BASE:-18500}
 REPO=$OUT/repo
 rm -rf "$REPO" && mkdir -p "$REPO"
 

@@ -5,9 +5,7 @@ everyone's tokens, equal to the whole model, also beside an idle batch. The loop
 rule table's rows, with the modes each rank recorded. `dp_size` behind one model: ranks in
 processes of their own, equal to one engine for every architecture with overlap off and on,
 cancel, a killed rank, the decode role's prebuilt requests, and all of it through tritonserver."""
-import datetime
 import os
-import socket
 import time
 
 import numpy as np
@@ -15,18 +13,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.server import free_port
 from tests.test_model_parity import prompts
 
 CASES = {  # per rank, per step: the prompt each rank runs (None: an idle batch)
     "both busy": [(0, 2)],
     "one idle": [(1, None), (None, 3)],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_ranks(main, *args) -> None:
@@ -36,8 +29,8 @@ def spawn_ranks(main, *args) -> None:
 
 def _in_group(rank: int, main, port: int, args: tuple) -> None:
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))  # a rank out of step fails, not hangs
+    from backends.dp import join_group
+    join_group(rank, 2, port, "cpu", timeout_s=30)  # a rank out of step fails, not hangs
     try:
         main(rank, *args)
     finally:
@@ -316,7 +309,7 @@ def test_decode_dp2_equals_colocated(checkpoint):
 def test_llm_and_router_with_dp2_equal_transformers(default_model, tmp_path_factory, overlap):
     """`llm` with dp_size 2 and `router` -> `decode` with dp_size 2 (each rank one of the two
     cores) stream transformers' greedy ids for prompts sent at once; every pool is whole after."""
-    from tests.server import TritonServer, free_port
+    from tests.server import TritonServer
     from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
     parameters = disagg_parameters(free_port())
     for model in ("llm", "decode"):

@@ -10,15 +10,9 @@ from backends.config import EngineConfig
 from backends.disagg.config import DisaggConfig
 from backends.disagg.decode import DecodeRole
 from backends.disagg.prefill import PrefillRole
+from backends.dp_group import DpGroup, free_port
 from backends.engine import Engine
 from backends.request import RequestOutput, SamplingParams
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pair:
@@ -35,7 +29,6 @@ class Pair:
                               role=PrefillRole(self.prefill_cfg)).start()
         decode = EngineConfig(**{**base, "role": "decode", "dp_size": decode_dp})
         if decode_dp > 1:  # DP attention: the decode ranks in processes of their own
-            from backends.dp_group import DpGroup
             self.decode = DpGroup(decode, "decode", self.decode_cfg).start()
         else:
             self.decode = Engine(decode, role=DecodeRole(self.decode_cfg)).start()
