@@ -41,6 +41,16 @@ class LayerWeights:
     down: object
 
 
+@dataclass(frozen=True)
+class LayerHook:
+    """Work a forward runs between layers: `run(i)` once layer i's K/V is in the cache, for
+    each i in `after` (ascending). The prefill side of a hand-off posts a layer group's KV
+    writes from there; the layers between two of them run in one call where they can."""
+
+    after: tuple[int, ...]
+    run: Callable[[int], None]
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype):
@@ -85,17 +95,15 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 attn: AttentionBackend, plan: object, logit_rows: torch.Tensor,
-                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                hook: LayerHook | None = None) -> torch.Tensor:
         """input_ids, positions [T]; kv [L, 2, P, S, Hkv, D]; returns the final-norm hidden
-        states of `logit_rows` [len(logit_rows), hidden], the lm_head's input (`logits`, `greedy`).
-
-        `after_layer(i)` runs once layer i's KV is in the cache (the prefill side
-        of a hand-off posts its layer-group writes from there)."""
+        states of `logit_rows` [len(logit_rows), hidden], the lm_head's input (`logits`, `greedy`)."""
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = self.rope_tables(positions)
-        if self.decoder is not None and after_layer is None and self.mlp is None:
-            h = self.decoder(residual, cos, sin, kv, plan)
+        after = set(hook.after) if hook is not None else set()
+        if self.decoder is not None and self.mlp is None:
+            h = self._decoder_calls(residual, cos, sin, kv, plan, hook)
         else:
             h = None
             for i, w in enumerate(self.layers):
@@ -104,9 +112,25 @@ class LlamaModel:
                 x = ops.add_rms_norm(residual, h, w.post_norm, eps)
                 h = self.mlp(i, x) if self.mlp is not None else \
                     self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
-                if after_layer is not None:
-                    after_layer(i)
+                if i in after:
+                    hook.run(i)
         return ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
+
+    def _decoder_calls(self, residual, cos, sin, kv, plan, hook: LayerHook | None) -> torch.Tensor:
+        """The fused decoder, one call per run of layers between the hook's stops. The C
+        kernel adds no h in its first layer, so the previous call's h is added here first:
+        the same fp32 add, so the output is that of one call."""
+        n = self.cfg.num_layers
+        ends = sorted(set(hook.after if hook is not None else ()) | {n - 1})
+        h, start = None, 0
+        for end in ends:
+            if h is not None:
+                residual.add_(h)
+            h = self.decoder(residual, cos, sin, kv, plan, range(start, end + 1))
+            if hook is not None and end in hook.after:
+                hook.run(end)
+            start = end + 1
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] (forward's output) -> fp32 logits [n, V]."""

@@ -7,11 +7,12 @@ Roles: colocated (here), prefill and decode (`backends.disagg`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from backends.request import Request
 
 if TYPE_CHECKING:
+    from backends.model import LayerHook
     from backends.runner import Batch
     from backends.scheduler import Scheduler
 
@@ -29,8 +30,8 @@ class Role(Protocol):
     def advance(self) -> None:
         """Between steps: the role's own queues move (transfers, hand-offs, timeouts)."""
 
-    def layer_hook(self, batch: "Batch") -> Callable[[int], None] | None:
-        """Called with each layer's index during the batch's forward (on the forward thread)."""
+    def layer_hook(self, batch: "Batch") -> "LayerHook | None":
+        """What the batch's forward runs between layers (on the forward thread)."""
 
     def on_sampled(self, req: Request) -> bool:
         """True when the role took the request over (it leaves this engine)."""

@@ -9,7 +9,6 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -17,7 +16,7 @@ from backends.config import EngineConfig
 from backends.cores import CoreTurns
 from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
 from backends.kv_cache import PagePool, allocate_kv_buffer
-from backends.model import load_model
+from backends.model import LayerHook, load_model
 from backends.request import Request, SamplingParams
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
@@ -188,12 +187,12 @@ class ModelRunner:
             return None
         return self.graphs.bucket(len(q_lens))
 
-    def run(self, batch: Batch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    def run(self, batch: Batch, hook: LayerHook | None = None) -> torch.Tensor:
         """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
         (`model.logits` / `model.greedy` turn it into tokens: backends.sampler)."""
-        return self.forward(self.prepare(batch), after_layer)
+        return self.forward(self.prepare(batch), hook)
 
-    def forward(self, step: StepInputs, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(self, step: StepInputs, hook: LayerHook | None = None) -> torch.Tensor:
         if self._step_thread != threading.get_ident() and self.device.type == "cpu":
             self._step_thread = threading.get_ident()
             torch.set_num_threads(self.cfg.num_threads)
@@ -202,7 +201,7 @@ class ModelRunner:
                 return self.graphs.replay(step.graph, step.host, len(step.rows), lambda ids: self._resolve(step, ids))
             t = step.tensors
             self._resolve(step, t["ids"])
-            return self.model.forward(t["ids"], t["positions"], self.kv, self.attn, step.plan, t["rows"], after_layer)
+            return self.model.forward(t["ids"], t["positions"], self.kv, self.attn, step.plan, t["rows"], hook)
 
     def _resolve(self, step: StepInputs, ids: torch.Tensor) -> None:
         """Write the tokens that an earlier step was still sampling when this one was prepared

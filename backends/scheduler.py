@@ -20,6 +20,7 @@ where finished prefills go (`backends.role`); they plug into this loop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import traceback
@@ -146,6 +147,8 @@ class Scheduler:
         if self.dp is not None:  # every rank takes this turn: an idle batch keeps the collectives in step
             batch = self.dp.agree(batch)
         launched = self._launch(batch) if batch is not None else None
+        if self.runner.turns is not None and (launched is None or launched.result.done()):
+            self.runner.turns.unmark()   # a wait with no forward after it must not hold prefill back
         done, self.in_flight = (self.in_flight, launched) if self.overlap else (launched, None)
         if done is not None:
             self._complete(done)
@@ -162,10 +165,13 @@ class Scheduler:
         destinations at once, and requests whose KV landed join the next step. (Blocked in the
         turn, decode took a new request 117 ms after the router sent it, p50 at 8 streams.)
         Not for an engine that goes first (prefill): its place in the queue is held by
-        waiting inside the turn."""
+        waiting inside the turn. The wait is marked (backends.cores), so a burst of prompts
+        does not hold this engine's requests back for the whole burst."""
         turns = self.runner.turns
         if turns is None or turns.first or self.in_flight is not None or not (self.running or self.waiting):
             return
+        if turns.busy():
+            turns.mark_waiting()   # the next prefill forward lets this engine's forward go first
         while turns.busy():
             self._wake.wait(TURN_POLL_S)
             self._wake.clear()
@@ -207,7 +213,9 @@ class Scheduler:
                 inputs.ids[index] = self.sampled[step][row] if step in self.sampled else 0
             if self.dp is not None:
                 self.dp.begin_forward(batch)
-            with torch.inference_mode():
+            # sampling (the lm_head: a fifth of the default model's weights) is compute too:
+            # the core turn covers it, or it would run beside another engine's forward
+            with torch.inference_mode(), self.runner.turns or contextlib.nullcontext():
                 hidden = self.runner.forward(inputs, hook)
                 if not batch.samples:
                     return [], None, {}

@@ -1,10 +1,11 @@
 """All decoder layers in one C call (csrc/decoder.c) where every op has a C kernel.
 
 The model's per-op loop (backends.model) stays the reference and the path of GPUs,
-other dtypes, models with a qkv bias or q/k norms, and the prefill side of a hand-off
-(which runs Python after each layer). On a CPU in fp32 with the panel GEMM, the C
-layer ops and the paged attention kernel, this runs the same kernels in the same
-order without the Python between them (see decoder.c for the why and the numbers).
+other dtypes and models with a qkv bias or q/k norms. The prefill side of a hand-off
+calls it once per layer group and posts the group's KV writes between calls. On a CPU
+in fp32 with the panel GEMM, the C layer ops and the paged attention kernel, this runs
+the same kernels in the same order without the Python between them (see decoder.c for
+the why and the numbers).
 """
 from __future__ import annotations
 
@@ -42,18 +43,23 @@ class CpuDecoder:
             dtype=torch.int64)
 
     def __call__(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: torch.Tensor,
-                 plan) -> torch.Tensor:
-        """Runs every layer on residual [T, hidden] (updated in place) with the K/V of `plan`'s rows
-        (a kernels.cpu_backend.RowPlan); returns the last layer's h [T, hidden], not yet added."""
+                 plan, layers: range | None = None) -> torch.Tensor:
+        """Runs `layers` (default all) on residual [T, hidden] (updated in place) with the K/V of
+        `plan`'s rows (a kernels.cpu_backend.RowPlan); returns the last one's h [T, hidden], not yet
+        added. A range that does not start at layer 0 takes a residual the caller has added the
+        previous range's h to: the kernel's first layer adds nothing."""
         c, rows = self.cfg, residual.shape[0]
+        layers = layers or range(c.num_layers)
         empty = lambda width: torch.empty((rows, width), dtype=torch.float32)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         x, qkv, attn, h = empty(c.hidden_size), empty(q_size + 2 * kv_size), empty(q_size), empty(c.hidden_size)
         gate_up, act = empty(2 * c.intermediate_size), empty(c.intermediate_size)
-        shape = DecoderShape(rows, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+        shape = DecoderShape(rows, c.hidden_size, len(layers), c.num_heads, c.num_kv_heads, c.head_dim,
                              c.intermediate_size, kv.shape[3], plan.pages.shape[1], c.rms_norm_eps, self.scale)
-        rc = self._kernel(ctypes.byref(shape), residual.data_ptr(), self.weights.data_ptr(), cos.data_ptr(),
-                          signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1),
+        weights = self.weights.data_ptr() + layers.start * 6 * self.weights.element_size()
+        kv_start = kv.data_ptr() + layers.start * kv.stride(0) * kv.element_size()
+        rc = self._kernel(ctypes.byref(shape), residual.data_ptr(), weights, cos.data_ptr(),
+                          signed_sin.data_ptr(), kv_start, kv.stride(0), kv.stride(1),
                           plan.meta.slot_mapping.data_ptr(), plan.pages.data_ptr(), plan.seqs.data_ptr(),
                           plan.lens.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), h.data_ptr(),
                           gate_up.data_ptr(), act.data_ptr())

@@ -127,6 +127,85 @@ def test_a_loop_waiting_for_the_cores_still_takes_new_requests(lock_dir, checkpo
             assert taken(second), "the loop waited inside the turn"
             assert not outs   # nothing ran while the cores were held
         assert collect(engine, [[11, 12]], SamplingParams(max_tokens=3))[0][-1].finish_reason == "length"
+        deadline = time.monotonic() + 5  # the third request may finish in the same step as the two
+        while sum(o.finished for o in outs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert sum(o.finished for o in outs) == 2
+    finally:
+        engine.stop()
+
+
+def test_a_nested_hold_keeps_the_turn_until_the_outer_one_ends(lock_dir):
+    """The step holds the turn around its forward (which takes it too) and its sampling."""
+    step, other = CoreTurns([0], first=False), CoreTurns([0], first=False)
+    with step:
+        with step:   # the forward's own hold
+            pass
+        assert other.busy(), "the inner hold gave the turn back before the sampling"
+    assert not other.busy()
+
+
+def test_sampling_runs_inside_the_core_turn(lock_dir, checkpoint, monkeypatch):
+    """The lm_head is a fifth of the default model's weights: run beside another engine's
+    forward, both OpenMP teams would fight for the cores."""
+    from backends import scheduler
+    from backends.request import SamplingParams
+    from tests.engine_utils import collect, small_engine
+    held, real_sample = [], scheduler.sample
+
+    def sample(*args, **kwargs):
+        held.append(CoreTurns(engine.cfg.cores, first=False).busy())
+        return real_sample(*args, **kwargs)
+    monkeypatch.setattr(scheduler, "sample", sample)
+    engine = small_engine(checkpoint("llama"), core_turns="on")
+    try:
+        assert collect(engine, [[5, 6, 7]], SamplingParams(max_tokens=3))[0][-1].finish_reason == "length"
+    finally:
+        engine.stop()
+    assert held == [True] * 3
+
+
+def test_a_waiting_decode_gets_one_forward_between_two_prefill_forwards(lock_dir):
+    """A burst of prompts does not hold a waiting decode engine back for the whole burst:
+    prefill and decode alternate, as the colocated engine's mixed steps do."""
+    decode, prefill = CoreTurns([0], first=False), CoreTurns([0], first=True)
+    order = []
+
+    def decode_loop():   # as Scheduler._wait_for_cores: poll, then the forward
+        while decode.busy():
+            time.sleep(0.02)
+        with decode:
+            order.append("decode")
+    with prefill:
+        decode.mark_waiting()
+        loop = threading.Thread(target=decode_loop)
+        loop.start()
+        time.sleep(0.05)
+        order.append("prefill 1")
+    with prefill:   # the next prompt's forward, at once
+        order.append("prefill 2")
+    loop.join(5)
+    assert order == ["prefill 1", "decode", "prefill 2"]
+
+
+def test_a_wait_that_ends_without_a_forward_does_not_hold_prefill(lock_dir, checkpoint):
+    """The engine marks its wait for the cores; a request aborted meanwhile leaves nothing to
+    run, and the mark must go with it, or the next prefill forward would wait for ever."""
+    from backends.request import SamplingParams
+    from tests.engine_utils import small_engine
+    engine = small_engine(checkpoint("llama"), core_turns="on")
+    prefill = CoreTurns(engine.cfg.cores, first=True)
+    try:
+        with CoreTurns(engine.cfg.cores, first=True):   # another prefill forward holds the cores
+            request = engine.generate([5, 6, 7], SamplingParams(max_tokens=4), lambda out: None)
+            time.sleep(0.1)   # the loop is waiting for the cores, marked
+            engine.abort(request)
+            time.sleep(0.1)
+        entered = threading.Event()
+        waiter = threading.Thread(target=lambda: prefill.__enter__() and entered.set())
+        waiter.start()
+        assert entered.wait(2), "the mark outlived the wait"
+        prefill.__exit__()
+        waiter.join(5)
     finally:
         engine.stop()

@@ -488,6 +488,38 @@ def test_decoder_call_is_bit_identical_to_per_op_loop(checkpoint):
     assert torch.equal(fused_kv, runner.kv)
 
 
+def test_decoder_in_layer_groups_is_bit_identical_and_hooks_see_their_layers(checkpoint):
+    """With a layer hook (the prefill side of a hand-off), the decoder runs one call per layer
+    group: the same hidden states and K/V as the per-op loop, bit for bit, and when the hook
+    runs after layer i, layers up to i hold this step's K/V and the later ones do not yet."""
+    from backends.model import LayerHook
+    from backends.request import Request, SamplingParams
+    from backends.runner import Batch
+
+    runner = cpu_runner(checkpoint("llama"))
+    n = runner.model.cfg.num_layers
+    assert runner.model.decoder is not None and n >= 3
+    req = Request("r", list(range(40, 63)), SamplingParams(), None, None)
+    req.pages = runner.pool.allocate(6)
+    batch = Batch([(req, 23)])
+    before = runner.kv.clone()
+    seen = []
+
+    def after(i: int) -> None:
+        written = [not torch.equal(runner.kv[layer], before[layer]) for layer in range(n)]
+        seen.append((i, written))
+    stops = (0, n // 2)
+    grouped = runner.run(batch, LayerHook(stops, after))
+    assert [i for i, _ in seen] == list(stops)
+    assert all(written == [layer <= i for layer in range(n)] for i, written in seen)
+    grouped_kv = runner.kv.clone()
+    runner.kv.copy_(before)
+    runner.model.decoder = None
+    seen.clear()
+    assert torch.equal(grouped, runner.run(batch, LayerHook(stops, after)))
+    assert torch.equal(grouped_kv, runner.kv) and [i for i, _ in seen] == list(stops)
+
+
 @pytest.mark.parametrize("arch,backend,fused", [("llama", "cpu", True), ("mistral", "cpu", True),
                                                 ("qwen2", "cpu", False), ("qwen3", "cpu", False),
                                                 ("llama", "torch", False)])

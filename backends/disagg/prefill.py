@@ -21,6 +21,7 @@ from backends.disagg.config import DisaggConfig
 from backends.disagg.pipeline import SMALL_MODEL_LAYERS, layer_group_size, layer_groups
 from backends.disagg.transport import KVTransport
 from backends.disagg.worker import TransferWorker
+from backends.model import LayerHook
 from backends.request import Request, Status
 from backends.runner import Batch
 
@@ -159,16 +160,13 @@ class PrefillRole:
         on_gpu = self.scheduler.runner.device.type == "cuda"
         trace = self.worker.trace
 
-        def after_layer(i: int) -> None:
+        def after_group(i: int) -> None:
             if trace is not None:
                 trace.append(("layer", i, time.monotonic()))
-            group = ends.get(i)
-            if group is None:
-                return
             ready = kv_written() if on_gpu else None  # the transfer thread waits for it, the forward goes on
             for room, peer, local, remote in plans:
-                self.worker.write(room, peer, group, local, remote, ready)
-        return after_layer
+                self.worker.write(room, peer, ends[i], local, remote, ready)
+        return LayerHook(tuple(sorted(ends)), after_group)
 
     # ---- internals -----------------------------------------------------------------
     def _pages_to_send(self, req: Request, n: int):
