@@ -42,7 +42,8 @@ def parse_cores(text: str) -> list[int]:
 
 
 class CoreTurns:
-    """Context manager around a forward: holds the turn of every core the engine runs on."""
+    """Context manager around a step's forward and sampling: holds the turn of every core the
+    engine runs on."""
 
     def __init__(self, cores: list[int], first: bool):
         self.first = first   # the prefill role: decode forwards that have not started wait behind it
@@ -50,7 +51,6 @@ class CoreTurns:
         self.queue = [self._open(f"tandem-core{c}.queue") for c in cores]
         self.probes = [self._open(f"tandem-core{c}.{kind}") for kind in ("turn", "queue") for c in cores]
         self.waiting = [self._open(f"tandem-core{c}.waiting") for c in cores]  # decode engines waiting: shared
-        self.depth = 0       # nested holds (a step's sampling around its forward) take the turn once
 
     @staticmethod
     def _open(name: str) -> int:
@@ -58,9 +58,6 @@ class CoreTurns:
         return fd
 
     def __enter__(self) -> "CoreTurns":
-        self.depth += 1
-        if self.depth > 1:
-            return self
         if self.first:
             for fd in self.waiting:   # decode engines waiting for the cores take their turn first
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -101,9 +98,6 @@ class CoreTurns:
         return False
 
     def __exit__(self, *exc) -> None:
-        self.depth -= 1
-        if self.depth:
-            return
         for fd in reversed(self.turns):
             fcntl.flock(fd, fcntl.LOCK_UN)
 

@@ -101,11 +101,10 @@ class LlamaModel:
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = self.rope_tables(positions)
-        after = set(hook.after) if hook is not None else set()
         if self.decoder is not None and self.mlp is None:
             h = self._decoder_calls(residual, cos, sin, kv, plan, hook)
         else:
-            h = None
+            h, after = None, set(hook.after) if hook is not None else set()
             for i, w in enumerate(self.layers):
                 x = ops.add_rms_norm(residual, h, w.input_norm, eps)
                 h = self._attention(x, w, kv[i], cos, sin, attn, plan)

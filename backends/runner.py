@@ -5,7 +5,6 @@ attention backend.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -99,6 +98,7 @@ class ModelRunner:
             self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
             self.attn = create_backend(self.attention_backend, self.device)
             self.model.decoder = pick_decoder(self.model, self.attn)
+        # held by the scheduler around a step's forward and sampling
         self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
         self.packed = self.device.type == "cuda"  # a step's arrays in one pinned copy (tests set it on a CPU)
         use_graphs = graphs_enabled(cfg.cuda_graphs, self.device.type, self.attention_backend, cfg.role)
@@ -196,12 +196,11 @@ class ModelRunner:
         if self._step_thread != threading.get_ident() and self.device.type == "cpu":
             self._step_thread = threading.get_ident()
             torch.set_num_threads(self.cfg.num_threads)
-        with self.turns or contextlib.nullcontext():
-            if step.graph is not None:
-                return self.graphs.replay(step.graph, step.host, len(step.rows), lambda ids: self._resolve(step, ids))
-            t = step.tensors
-            self._resolve(step, t["ids"])
-            return self.model.forward(t["ids"], t["positions"], self.kv, self.attn, step.plan, t["rows"], hook)
+        if step.graph is not None:
+            return self.graphs.replay(step.graph, step.host, len(step.rows), lambda ids: self._resolve(step, ids))
+        t = step.tensors
+        self._resolve(step, t["ids"])
+        return self.model.forward(t["ids"], t["positions"], self.kv, self.attn, step.plan, t["rows"], hook)
 
     def _resolve(self, step: StepInputs, ids: torch.Tensor) -> None:
         """Write the tokens that an earlier step was still sampling when this one was prepared

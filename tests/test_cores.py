@@ -135,16 +135,6 @@ def test_a_loop_waiting_for_the_cores_still_takes_new_requests(lock_dir, checkpo
         engine.stop()
 
 
-def test_a_nested_hold_keeps_the_turn_until_the_outer_one_ends(lock_dir):
-    """The step holds the turn around its forward (which takes it too) and its sampling."""
-    step, other = CoreTurns([0], first=False), CoreTurns([0], first=False)
-    with step:
-        with step:   # the forward's own hold
-            pass
-        assert other.busy(), "the inner hold gave the turn back before the sampling"
-    assert not other.busy()
-
-
 def test_sampling_runs_inside_the_core_turn(lock_dir, checkpoint, monkeypatch):
     """The lm_head is a fifth of the default model's weights: run beside another engine's
     forward, both OpenMP teams would fight for the cores."""
