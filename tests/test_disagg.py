@@ -51,7 +51,7 @@ def test_layer_group_size(layers, tokens, knobs, expected):
     ("pipeline_min_tokens", "-1"), ("pipeline_group_size", "-2"), ("pipeline_min_iters", "0"),
     ("pipeline_max_iters", "x"), ("pipeline_saturation", "1"), ("transfer_timeout_s", "0"),
     ("handshake_timeout_s", "-1"), ("meta_slots", "0"), ("decode_reserve_tokens", "-1"),
-    ("nixl_port", "70000"), ("pipeline", "sometimes"),
+    ("nixl_port", "70000"), ("pipeline", "sometimes"), ("prefill_before_destination", "on"),
 ])
 def test_bad_knobs_are_refused_naming_the_parameter(name, value):
     with pytest.raises(ValueError, match=name):
@@ -214,12 +214,52 @@ def wait_for(done, timeout_s: float = 10) -> bool:
     return done()
 
 
+# ---- a prompt that does not wait for its destination ---------------------------------------
+@pytest.mark.parametrize("knob", ["auto", "off"])
+def test_a_short_prompt_runs_while_its_destination_is_on_the_way(checkpoint, colocated, monkeypatch, knob):
+    """Decode sends each destination 1 s late. With auto, prompts below pipeline_min_tokens
+    (256 by default, so these) sample their first token before the first destination leaves,
+    and their KV follows it; with off, each prompt runs after its destination. Output and KV
+    are the colocated engine's either way, and both pools end whole."""
+    pair = Pair(checkpoint("llama"), prefill_before_destination=knob)
+    try:
+        decode, prefill = pair.decode.scheduler.role, pair.prefill.scheduler.role
+        send, sampled, dest_sent = decode._send, prefill.on_sampled, {}
+
+        def late_dest(kind, room, **fields):
+            if kind == "dest":
+                time.sleep(1.0)
+                dest_sent[room] = time.monotonic()
+            send(kind, room, **fields)
+
+        def record_sampled(req):
+            sampled_at[req.room] = time.monotonic()
+            return sampled(req)
+        sampled_at = {}
+        monkeypatch.setattr(decode, "_send", late_dest)
+        monkeypatch.setattr(prefill, "on_sampled", record_sampled)
+        batch = prompts(3)
+        expected = [token_ids(o) for o in collect(colocated, batch, PARAMS)]
+        for (dec, pre), want in zip(pair.run(batch, PARAMS, timeout_s=30), expected):
+            assert dec[-1].error is None and token_ids(dec) == want
+            assert pre[-1].error is None and token_ids(pre) == want[:1]
+        if knob == "auto":
+            assert max(sampled_at.values()) < min(dest_sent.values()), "a prompt waited for its destination"
+        else:
+            assert all(sampled_at[room] > dest_sent[room] for room in sampled_at)
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
 # ---- preemption on the prefill side ----------------------------------------------------
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint, colocated, monkeypatch, overlap):
-    # 20 prefill pages cannot hold both prompts (13 + 10 pages): the later one is preempted
+    # 20 prefill pages cannot hold both prompts (13 + 10 pages): the later one is preempted.
+    # Prompts wait for their destination, so the preempted one has writes in flight.
     pair = Pair(checkpoint("llama"), prefill_engine={"num_pages": 20}, pipeline_min_tokens=8,
-                pipeline_group_size=1, transfer_timeout_s=20, engine_overrides={"overlap": overlap})
+                pipeline_group_size=1, transfer_timeout_s=20, engine_overrides={"overlap": overlap},
+                prefill_before_destination="off")
     gate = writes_in_flight(pair, monkeypatch)
     try:
         role, pool = pair.prefill.scheduler.role, pair.prefill.scheduler.pool
@@ -232,8 +272,8 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
             write(room, peer, layers, local, remote, ready)
 
         def record_free(pages):
-            if not gate.is_set():
-                freed_early.extend(pages)
+            if not gate.is_set():  # every write posted so far is still in flight
+                freed_early.extend(set(pages) & posted)
             free(pages)
 
         def record_preempt(req):
@@ -247,7 +287,7 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
         handles = [pair.submit(ids, PARAMS) for ids in batch]
         assert wait_for(lambda: pair.prefill.stats()["preemptions"] > 0)
         time.sleep(1.0)  # longer than a preemption waits for the writes
-        assert not posted & set(freed_early), "pages went back to the pool while writes still read them"
+        assert not freed_early, "pages went back to the pool while writes still read them"
         gate.set()
         expected = [token_ids(o) for o in collect(colocated, batch, PARAMS)]
         for (_, d, p), want in zip(handles, expected):
@@ -257,6 +297,7 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
         for room in {room for kind, room, _ in events if kind == "preempt"}:
             mine = [(kind, pages) for kind, r, pages in events if r == room]
             last = max(i for i, (kind, _) in enumerate(mine) if kind == "preempt")
+            assert mine[0][0] == "write", "the preempted request must have had writes in flight"
             every = {p for kind, pages in mine if kind == "write" for p in pages}
             again = {p for kind, pages in mine[last:] if kind == "write" for p in pages}
             assert again == every, "a recomputed request must send all of its KV again"
@@ -301,10 +342,13 @@ def test_overload_queues_past_the_transfer_timeout(checkpoint, monkeypatch):
     try:
         _, d, p = pair.submit(prompts(4)[3], PARAMS)
         time.sleep(2.5)
-        assert pair.decode.stats()["prealloc"] == 1 and d.empty() and p.empty(), "a queued request failed"
+        # prefill may have streamed its first token (the prompt runs before the destination comes)
+        early = [p.get_nowait() for _ in range(p.qsize())]
+        assert pair.decode.stats()["prealloc"] == 1 and d.empty() and not any(o.finished for o in early), \
+            "a queued request failed"
         pair.decode.abort(f"room-{blocker}")
         assert drain(blocked, 10)[-1].finish_reason == "abort"
-        dec, pre = drain(d, 30), drain(p, 30)
+        dec, pre = drain(d, 30), early + drain(p, 30)
         assert dec[-1].error is None and len(token_ids(dec)) == 20 and pre[-1].error is None
         assert pair.wait_kv_whole()
     finally:
@@ -416,9 +460,10 @@ def test_layout_mismatch_is_refused(checkpoint):
 # ---- layer pipelining is real --------------------------------------------------------
 @pytest.mark.parametrize("pipeline", ["auto", "off"])
 def test_early_layer_groups_land_before_the_last_layer(default_model, pipeline):
+    # the prompt waits for its destination with pipeline off too, so its layers are traced
     pair = Pair(default_model, engine_overrides={"page_size": 16, "num_pages": 128, "chunk_size": 512,
                                                  "max_batch_tokens": 512, "threads": 2},
-                pipeline=pipeline, pipeline_min_tokens=64, pipeline_group_size=5)
+                pipeline=pipeline, pipeline_min_tokens=64, pipeline_group_size=5, prefill_before_destination="off")
     try:
         trace = pair.prefill.scheduler.role.worker.trace = []
         ids = list(range(1000, 1400))  # 400 tokens in one chunk, 30 layers in 6 groups

@@ -19,6 +19,9 @@ class DisaggConfig:
     decode_reserve_tokens: int = field(default=128, metadata={
         "doc": "decode: KV kept free per admitted request for the tokens it will still decode"})
     meta_slots: int = field(default=256, metadata={"doc": "metadata slots (first token, lengths) per engine"})
+    prefill_before_destination: str = field(default="auto", metadata={
+        "doc": "prefill: auto (a prompt whose KV is written after its forward, see pipeline_min_tokens, runs "
+               "while decode's destination for it is on the way) or off (every prompt waits for it)"})
     pipeline: str = field(default="auto", metadata={
         "doc": "prefill: auto (layer-pipelined KV writes above pipeline_min_tokens) or off (one write after the forward)"})
     pipeline_min_tokens: int = field(default=256, metadata={
@@ -32,6 +35,7 @@ class DisaggConfig:
     def __post_init__(self):
         problems = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, rule, ok in (
             ("pipeline", "auto or off", self.pipeline in ("auto", "off")),
+            ("prefill_before_destination", "auto or off", self.prefill_before_destination in ("auto", "off")),
             ("nixl_port", "a port (0-65535)", 0 <= self.nixl_port <= 65535),
             ("handshake_timeout_s", "> 0", self.handshake_timeout_s > 0),
             ("transfer_timeout_s", "> 0", self.transfer_timeout_s > 0),

@@ -1,11 +1,20 @@
-"""The prefill role: requests wait for their decode-side destination, run
-their prompt (chunked when long) in the normal loop, and write each layer
-group's KV into the decode engine's pages as soon as it is computed; the
-metadata follows the last write, then the request leaves this engine.
+"""The prefill role: requests run their prompt (chunked when long) in the
+normal loop and write each layer group's KV into the decode engine's pages as
+soon as it is computed; the metadata follows the last write, then the request
+leaves this engine.
 
-    bootstrap (wait for `dest`) -> scheduler.waiting -> prefill steps
+    bootstrap (no `dest` yet) -> scheduler.waiting -> prefill steps
         (layer hook: post KV writes per group) -> first token sampled
         -> shipping (worker: KV done -> metadata write) -> finished, pages freed
+
+A prompt whose KV is written once, after its forward (shorter than
+pipeline_min_tokens, see pipeline.py), runs while its destination is still on
+the way (prefill_before_destination auto): decode admits requests only between
+its forwards, so on a busy machine the destination comes 30-50 ms after the
+request and the forward would wait for it. The KV goes out once both the
+forward and the destination are done. Longer prompts wait in bootstrap for the
+destination, so that their layer groups can be written while later layers
+compute; so does every prompt with prefill_before_destination off.
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ class PrefillRole:
 
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
-        self.bootstrap: dict[int, Request] = {}         # room -> request waiting for its destination
+        self.bootstrap: dict[int, Request] = {}         # room -> request whose destination has not come
         self.dests: dict[int, tuple[str, dict, float]] = {}  # room -> (decode peer, dest msg, arrival)
         self.shipping: dict[int, Request] = {}          # room -> request whose KV is on its way
         self.sent_pages: dict[int, int] = {}            # room -> pages already queued for writing
@@ -86,7 +95,15 @@ class PrefillRole:
         if req.room in self.aborted:  # decode gave it up before it got here
             del self.aborted[req.room]
             self.scheduler.finish(req, "abort")
+        elif self._runs_before_destination(req):
+            self.scheduler.enqueue(req)
         return True
+
+    def _runs_before_destination(self, req: Request) -> bool:
+        """Its KV is written after the forward anyway, so the forward need not wait for where."""
+        num_layers = self.scheduler.runner.model.cfg.num_layers
+        return (self.cfg.prefill_before_destination == "auto"
+                and layer_group_size(num_layers, len(req.prompt_ids), self.cfg) == 0)
 
     def advance(self) -> None:
         for event in self.worker.take_events():
@@ -95,29 +112,21 @@ class PrefillRole:
             except Exception:  # one bad message must not lose the events after it
                 log.exception("handling %s failed", event[0])
         for room in [r for r in self.bootstrap if r in self.dests]:
-            self._start(self.bootstrap.pop(room))
+            self._on_dest(self.bootstrap.pop(room))
         for drained, pages in [d for d in self.draining if d[0].is_set()]:
             self.draining.remove((drained, pages))
             self.scheduler.pool.free(pages)
         self._expire()
 
     def on_sampled(self, req: Request) -> bool:
-        """First token sampled: stream it, then hand the request to the worker."""
+        """First token sampled: stream it, then ship the request (once its destination is here)."""
         self.scheduler.leave(req)
         req.status = Status.TRANSFERRING
         if req.output_ids[-1] not in self.scheduler.stop_ids(req):
             req.detok.add(req.output_ids[-1])
         self.scheduler.emit(req)
-        slot = self.slots.take()
-        if slot is None:
-            self.scheduler.finish(req, "error", error="no free metadata slot on the prefill engine")
-            return True
-        req.meta_slot = slot
-        protocol.write_meta_row(self.meta, slot, req.room, req.output_ids[-1], req.last_logprob,
-                                len(req.prompt_ids))
-        peer, dest, _ = self.dests[req.room]
-        self.shipping[req.room] = req
-        self.worker.finish(req.room, peer, slot, dest["slot"])
+        if req.room not in self.bootstrap:
+            self._ship(req)
         return True
 
     def on_preempt(self, req: Request) -> None:
@@ -171,6 +180,8 @@ class PrefillRole:
     # ---- internals -----------------------------------------------------------------
     def _pages_to_send(self, req: Request, n: int):
         """Pages completed by this step (all remaining ones on the last chunk), each sent once."""
+        if req.room in self.bootstrap:
+            return None  # no destination yet: _ship writes these pages
         peer, dest, _ = self.dests[req.room]
         end = req.num_computed + n
         last = end >= len(req.prompt_ids)
@@ -181,7 +192,8 @@ class PrefillRole:
             return None
         return req.room, peer, req.pages[start:upto], dest["pages"][start:upto]
 
-    def _start(self, req: Request) -> None:
+    def _on_dest(self, req: Request) -> None:
+        """Its destination came: check it, then run the prompt (or ship it, if it has run)."""
         peer, dest, _ = self.dests[req.room]
         need = self.scheduler.pool.pages_for(len(req.prompt_ids))
         problem = None
@@ -193,8 +205,29 @@ class PrefillRole:
             self.dests.pop(req.room)
             self._give_up(peer, req.room, f"prefill refused the room: {problem}")
             self.scheduler.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
+        elif req.output_ids:
+            self._ship(req)
+        elif req.status is Status.TRANSFERRING:
+            self.scheduler.enqueue(req)
+
+    def _ship(self, req: Request) -> None:
+        """Write the pages the layer hook has not (the prompt ran before its destination
+        came), then the metadata after the last KV write."""
+        slot = self.slots.take()
+        if slot is None:
+            self.scheduler.finish(req, "error", error="no free metadata slot on the prefill engine")
             return
-        self.scheduler.enqueue(req)
+        req.meta_slot = slot
+        protocol.write_meta_row(self.meta, slot, req.room, req.output_ids[-1], req.last_logprob,
+                                len(req.prompt_ids))
+        peer, dest, _ = self.dests[req.room]
+        start, need = self.sent_pages.get(req.room, 0), self.scheduler.pool.pages_for(len(req.prompt_ids))
+        if start < need:
+            self.sent_pages[req.room] = need
+            layers = range(self.scheduler.runner.model.cfg.num_layers)
+            self.worker.write(req.room, peer, layers, req.pages[start:need], dest["pages"][start:need])
+        self.shipping[req.room] = req
+        self.worker.finish(req.room, peer, slot, dest["slot"])
 
     def _on_event(self, kind: str, *args) -> None:
         if kind == "message":
