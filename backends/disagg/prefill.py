@@ -100,7 +100,7 @@ class PrefillRole:
         return True
 
     def _runs_before_destination(self, req: Request) -> bool:
-        """Its KV is written after the forward anyway, so the forward need not wait for where."""
+        """Its KV is written after the forward anyway, so the forward need not wait for the destination."""
         num_layers = self.scheduler.runner.model.cfg.num_layers
         return (self.cfg.prefill_before_destination == "auto"
                 and layer_group_size(num_layers, len(req.prompt_ids), self.cfg) == 0)
