@@ -100,8 +100,9 @@ def loopback_main(args: argparse.Namespace) -> None:
                   chunk_size=512, max_batch_tokens=512, max_running_requests=4, threads=0)
     results = {}
     for mode in ("auto", "off"):
+        # prompts wait for their destination in both modes, so only the write schedule differs
         pair = Pair(args.model, engine_overrides=engine, pipeline=mode, pipeline_group_size=args.group_size,
-                    transfer_timeout_s=600)
+                    transfer_timeout_s=600, prefill_before_destination="off")
         try:
             measure(pair, 64, 1)  # warm-up
             for length in args.lengths:
@@ -389,7 +390,9 @@ def start_hosts(model: str, max_len: int, chunk: int, threads: int, group_size: 
     hosts = {
         "prefill": Host("prefill", {"engine": {**engine, "num_pages": pages, "threads": threads},
                                     "disagg": {"nixl_port": NIXL_PORT, "transfer_timeout_s": 600,
-                                               "pipeline_group_size": group_size}}),
+                                               "pipeline_group_size": group_size,
+                                               # as in loopback_main: only the write schedule differs
+                                               "prefill_before_destination": "off"}}),
         "decode": Host("decode", {"engine": {**engine, "num_pages": pages, "threads": 1},
                                   "disagg": {"prefill_address": f"{LINK['ADDR_PREFILL']}:{NIXL_PORT}",
                                              "transfer_timeout_s": 600, "handshake_timeout_s": 60}}),
