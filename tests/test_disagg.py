@@ -224,7 +224,7 @@ def test_a_short_prompt_runs_while_its_destination_is_on_the_way(checkpoint, col
     pair = Pair(checkpoint("llama"), prefill_before_destination=knob)
     try:
         decode, prefill = pair.decode.scheduler.role, pair.prefill.scheduler.role
-        send, sampled, dest_sent = decode._send, prefill.on_sampled, {}
+        send, sampled, dest_sent, sampled_at = decode._send, prefill.on_sampled, {}, {}
 
         def late_dest(kind, room, **fields):
             if kind == "dest":
@@ -235,7 +235,6 @@ def test_a_short_prompt_runs_while_its_destination_is_on_the_way(checkpoint, col
         def record_sampled(req):
             sampled_at[req.room] = time.monotonic()
             return sampled(req)
-        sampled_at = {}
         monkeypatch.setattr(decode, "_send", late_dest)
         monkeypatch.setattr(prefill, "on_sampled", record_sampled)
         batch = prompts(3)

@@ -221,11 +221,10 @@ class PrefillRole:
         protocol.write_meta_row(self.meta, slot, req.room, req.output_ids[-1], req.last_logprob,
                                 len(req.prompt_ids))
         peer, dest, _ = self.dests[req.room]
-        start, need = self.sent_pages.get(req.room, 0), self.scheduler.pool.pages_for(len(req.prompt_ids))
-        if start < need:
-            self.sent_pages[req.room] = need
-            layers = range(self.scheduler.runner.model.cfg.num_layers)
-            self.worker.write(req.room, peer, layers, req.pages[start:need], dest["pages"][start:need])
+        rest = self._pages_to_send(req, 0)  # the whole prompt is computed: every page not queued yet
+        if rest is not None:
+            _, _, local, remote = rest
+            self.worker.write(req.room, peer, range(self.scheduler.runner.model.cfg.num_layers), local, remote)
         self.shipping[req.room] = req
         self.worker.finish(req.room, peer, slot, dest["slot"])
 
