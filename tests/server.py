@@ -80,8 +80,13 @@ class TritonServer:
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s}s:\n{self.log_tail()}")
 
     def _ready(self) -> bool:
+        """Ready, and the metrics endpoint up: tritonserver starts that one after HTTP, so a
+        test reading a gauge right after /v2/health/ready could find its port still closed."""
         try:
             with urllib.request.urlopen(f"http://localhost:{self.http_port}/v2/health/ready", timeout=2) as r:
+                if r.status != 200:
+                    return False
+            with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False
