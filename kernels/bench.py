@@ -1,17 +1,21 @@
 """Micro-benchmark of the attention backends: `python -m kernels.bench`.
 
-For a sweep of batch sizes and context lengths, times one layer's attend() (the
-plan is built once per batch, outside the timing, as the engine amortizes it over
-layers) for every available backend, and prints its ratio to the torch
-reference (speedup: torch time / backend time), the KV bytes it read per second
-and its largest deviation from the torch output.
+Times one layer's attention over paged KV, for a sweep of batch sizes and context
+lengths, against torch SDPA over the same KV laid out contiguously ([B, Hkv, ctx, D],
+`enable_gqa`): the best a paged kernel can hope for. Decode points report the K+V
+bytes read per second (TB/s), extend points (512 new tokens, causal) TFLOP/s. Every
+paged output is checked against SDPA's; the exit code is 1 if any check failed or a
+backend raised.
 
-    --device cuda (default when available): bf16, 32 q heads, 8 KV heads, head
-        dim 128, page size 16, contexts 1K-32K, batch 1-256 (the issue's sweep;
-        combinations above --max-tokens cached tokens are skipped for memory).
-    --device cpu: a small sweep with the torch backend only (< 1 minute); triton
-        runs too if TRITON_INTERPRET=1 is set (slowly), flashinfer never.
-    --quick: fewer points.
+Timing: calls run back to back between two CUDA events (one sync per measurement, not
+per call), the median of 5 measurements; each call reads another copy of the KV when one
+copy would fit in L2, so the figures are HBM bandwidth, not cache. The plan is built
+once per batch, outside the timing, as the engine amortizes it over layers.
+
+    --device cuda (default when available): bf16, 32 q heads, 8 KV heads, head dim
+        128, page size 16; batch 1/16/64 x 1K/4K/16K (--quick) or more points.
+    --device cpu: a small fp32 sweep (< 1 minute); the Triton kernels run too when
+        TRITON_INTERPRET=1 (slowly), flashinfer never.
 """
 from __future__ import annotations
 
@@ -19,22 +23,25 @@ import argparse
 import importlib.util
 import math
 import os
+import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from kernels.base import AttentionMetadata
 from kernels.torch_ref import TorchAttention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+L2_DEFEAT_BYTES = 256 << 20  # several times an H100/H200 L2 (50-60 MB)
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--quick", action="store_true", help="fewer batch sizes and contexts")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--quick", action="store_true", help="the issue's points only")
     p.add_argument("--max-tokens", type=int, default=4 << 20,
                    help="skip points whose batch * context exceeds this (memory)")
     return p.parse_args(argv)
@@ -44,7 +51,7 @@ def sweep(device: torch.device, quick: bool) -> dict:
     """Model shape and the (batch, context) points to run, decode and extend."""
     if device.type == "cuda":
         shape = dict(hq=32, hkv=8, dim=128, page_size=16)
-        ctxs = [1024, 8192] if quick else [1024, 4096, 8192, 16384, 32768]
+        ctxs = [1024, 4096, 16384] if quick else [1024, 4096, 8192, 16384, 32768]
         batches = [1, 16, 64] if quick else [1, 4, 16, 64, 128, 256]
         ext = dict(q_len=512, batches=[1, 4] if quick else [1, 4, 16])
     else:
@@ -55,9 +62,9 @@ def sweep(device: torch.device, quick: bool) -> dict:
     return dict(shape=shape, ctxs=ctxs, batches=batches, ext=ext)
 
 
-def backends(device: torch.device) -> dict:
-    """name -> backend instance, or the reason it is skipped."""
-    found = {"torch": TorchAttention()}
+def paged_backends(device: torch.device) -> dict:
+    """name -> paged backend instance, or the reason it is skipped."""
+    found = {"torch-paged": TorchAttention()}
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         from kernels.triton_backend import TritonAttention
         found["triton"] = TritonAttention()
@@ -71,88 +78,131 @@ def backends(device: torch.device) -> dict:
     return found
 
 
-def make_case(batch, q_len, ctx, shape, dtype, device, seed=0):
-    """A batch of `batch` sequences with `ctx` cached tokens (the last q_len new),
-    pages scattered at random over the pool, and one layer's q and K/V cache."""
-    size = shape["page_size"]
-    per_seq = math.ceil(ctx / size)
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq).tolist()
-    meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, pool, size, device=device)
-    cache = (batch * per_seq, size, shape["hkv"], shape["dim"])
-    k_cache = torch.randn(cache, dtype=dtype, device=device)
-    v_cache = torch.randn(cache, dtype=dtype, device=device)
-    q = torch.randn(batch * q_len, shape["hq"], shape["dim"], dtype=dtype, device=device)
-    return meta, q, k_cache, v_cache
+class Case:
+    """`batch` sequences of `ctx` cached tokens (the last q_len of them new), their pages
+    scattered over the pool; `copies` copies of one layer's KV, paged and contiguous."""
+
+    def __init__(self, batch, q_len, ctx, shape, dtype, device, copies=1, seed=0):
+        size, hkv, dim = shape["page_size"], shape["hkv"], shape["dim"]
+        per_seq = math.ceil(ctx / size)
+        g = torch.Generator().manual_seed(seed)
+        pages = torch.randperm(batch * per_seq, generator=g).view(batch, per_seq)
+        self.meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, pages.tolist(), size, device=device)
+        self.q = torch.randn(batch * q_len, shape["hq"], dim, dtype=dtype, device=device)
+        self.batch, self.q_len, self.ctx = batch, q_len, ctx
+        self.paged, self.contiguous = [], []
+        slots = (pages.to(device)[:, :, None] * size + torch.arange(size, device=device)).flatten(1)[:, :ctx]
+        for _ in range(copies):
+            k, v = (torch.randn(batch * per_seq, size, hkv, dim, dtype=dtype, device=device) for _ in range(2))
+            self.paged.append((k, v))
+            # [B, Hkv, ctx, D]: the same values, each sequence's positions in order
+            lay = lambda c: c.flatten(0, 1)[slots].transpose(1, 2).contiguous()
+            self.contiguous.append((lay(k), lay(v)))
+
+    def kv_bytes(self) -> int:
+        k = self.paged[0][0]
+        return 2 * self.batch * self.ctx * k.shape[2] * k.shape[3] * k.element_size()
+
+    def flops(self, hq: int, dim: int) -> float:
+        """QK^T and PV over every causal (query, key) pair."""
+        keys = sum(self.ctx - self.q_len + i + 1 for i in range(self.q_len))
+        return 4.0 * self.batch * keys * hq * dim
+
+    def sdpa(self, i: int, scale: float) -> torch.Tensor:
+        """torch SDPA over copy i's contiguous KV: [T, Hq, D] like the paged backends."""
+        k, v = self.contiguous[i]
+        q = self.q.view(self.batch, self.q_len, *self.q.shape[1:]).transpose(1, 2)
+        mask = None
+        if self.q_len > 1:  # causal, aligned to the last position (the new tokens are the last ones)
+            mask = torch.ones(self.q_len, self.ctx, dtype=torch.bool, device=q.device).tril(self.ctx - self.q_len)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(self.q.shape)
 
 
-def time_fn(fn, device: torch.device, min_time=0.2, max_iters=50) -> float:
-    """Median seconds per call after warm-up."""
-    fn()
-    fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+def seconds_per_call(fn, copies: int, device: torch.device, repeats: int = 5, target_s: float = 0.02) -> float:
+    """Median over `repeats` of (time of n back-to-back calls) / n, the copies in turn."""
+    fn(0)
+    fn(min(1, copies - 1))
+    one = _measure(fn, 1, copies, device)
+    n = max(copies, min(2000, math.ceil(target_s / max(one, 1e-7))))
+    times = sorted(_measure(fn, n, copies, device) / n for _ in range(repeats))
+    return times[len(times) // 2]
 
 
-def run_point(kind, batch, q_len, ctx, shape, dtype, device, found) -> str:
-    meta, q, k_cache, v_cache = make_case(batch, q_len, ctx, shape, dtype, device)
+def _measure(fn, n: int, copies: int, device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for i in range(n):
+            fn(i % copies)
+        return time.perf_counter() - start
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(n):
+        fn(i % copies)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def run_point(kind, batch, q_len, ctx, shape, dtype, device, found) -> tuple[str, bool]:
+    """One table row, and whether every check passed."""
+    per_copy = 4 * batch * ctx * shape["hkv"] * shape["dim"] * torch.finfo(dtype).bits // 8  # K, V; paged, contiguous
+    copies = max(1, math.ceil(L2_DEFEAT_BYTES / per_copy)) if device.type == "cuda" else 1
+    case = Case(batch, q_len, ctx, shape, dtype, device, copies=copies)
     scale = shape["dim"] ** -0.5
-    kv_bytes = 2 * batch * ctx * shape["hkv"] * shape["dim"] * k_cache.element_size()
-    cols, ref_out, ref_time = [], None, None
+    rate = (lambda t: f"{case.kv_bytes() / t / 1e12:6.3f} TB/s") if kind == "decode" else \
+           (lambda t: f"{case.flops(shape['hq'], shape['dim']) / t / 1e12:6.1f} TFLOP/s")
+    ref = case.sdpa(0, scale).float()
+    base = seconds_per_call(lambda i: case.sdpa(i, scale), copies, device)
+    cols, ok = [f"sdpa-contig {base * 1e3:8.3f} ms {rate(base)}"], True
+    tol = TOLERANCE[dtype] * max(1.0, ref.abs().max().item())
     for name, be in found.items():
         if isinstance(be, str):
             continue
         try:
-            plan = be.plan(meta)
-            out = be.attend(q, k_cache, v_cache, plan, scale)
-            t = time_fn(lambda: be.attend(q, k_cache, v_cache, plan, scale), device)
+            plan = be.plan(case.meta)
+            call = lambda i: be.attend(case.q, *case.paged[i], plan, scale)
+            diff = (call(0).float() - ref).abs().max().item()
+            t = seconds_per_call(call, copies, device)
         except Exception as e:  # one failing backend (e.g. out of memory) must not end the sweep
-            cols.append(f"{name}: {type(e).__name__}: {str(e)[:60]}")
+            cols.append(f"{name}: FAIL {type(e).__name__}: {str(e)[:80]}")
+            ok = False
             continue
-        if ref_out is None:
-            ref_out, ref_time = out.float(), t
-        diff = (out.float() - ref_out).abs().max().item()
-        cols.append(f"{name} {t * 1e3:8.3f} ms x{ref_time / t:5.2f} {kv_bytes / t / 1e9:7.1f} GB/s "
-                    f"maxdiff {diff:.1e}")
-    return f"{kind:6s} B={batch:4d} ctx={ctx:6d} q_len={q_len:4d} | " + " | ".join(cols)
+        good = diff <= tol
+        ok &= good
+        cols.append(f"{name} {t * 1e3:8.3f} ms {rate(t)} {base / t:4.0%} diff {diff:.1e}"
+                    + ("" if good else f" FAIL > {tol:.1e}"))
+    return f"{kind:6s} B={batch:3d} ctx={ctx:6d} | " + " | ".join(cols), ok
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cfg = sweep(device, args.quick)
-    found = backends(device)
+    found = paged_backends(device)
     shape = cfg["shape"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {name}, {dtype}, {shape}; times per layer attend(), x = speedup over torch, "
-          f"GB/s = K+V bytes read / time")
+    print(f"device {name}, {dtype}, {shape}; one layer's attention per call; % = SDPA's time / the "
+          f"backend's (contiguous KV is SDPA's best case); decode: K+V bytes read per second")
     for bname, be in found.items():
         if isinstance(be, str):
             print(f"  {bname}: {be}")
     points = [("decode", b, 1, c) for c in cfg["ctxs"] for b in cfg["batches"]]
     points += [("extend", b, cfg["ext"]["q_len"], c) for c in cfg["ctxs"] for b in cfg["ext"]["batches"]]
+    failed = 0
     for kind, batch, q_len, ctx in points:
         if batch * ctx > args.max_tokens:
-            print(f"{kind:6s} B={batch:4d} ctx={ctx:6d} skipped: over --max-tokens {args.max_tokens}")
+            print(f"{kind:6s} B={batch:3d} ctx={ctx:6d} skipped: over --max-tokens {args.max_tokens}")
             continue
-        print(run_point(kind, batch, q_len, ctx, shape, dtype, device, found), flush=True)
+        line, ok = run_point(kind, batch, q_len, ctx, shape, dtype, device, found)
+        failed += not ok
+        print(line, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the point's tensors are gone: give the next one room
+    print(f"{failed} point(s) failed a check" if failed else "every paged output matches SDPA's")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
