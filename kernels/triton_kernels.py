@@ -199,7 +199,7 @@ def decode_num_splits(num_decodes: int, num_kv_heads: int, max_kv_len: int, bloc
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  page_table: torch.Tensor, kv_lens: torch.Tensor, rows: torch.Tensor,
                  seqs: torch.Tensor, max_kv_len: int, scale: float, out: torch.Tensor,
-                 num_splits: int = 1, block_n: int = 32) -> None:
+                 num_splits: int = 1, block_n: int = 32, num_warps: int = 4, num_stages: int = 3) -> None:
     """Decode attention, written into out[rows] (same shape as q).
 
     q [T, Hq, D]; rows [Bd] int32 token row of each decode in q; seqs [Bd] int32
@@ -225,7 +225,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         page_table.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), page_size, split_len,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=_block(group), BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=INTERPRETED)
+        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages)
     _decode_reduce_kernel[(bd, hq)](
         part_o, part_lse, out, rows, num_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -294,7 +294,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, kv_lens_ptr, cu_q_pt
 def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  page_table: torch.Tensor, kv_lens: torch.Tensor, cu_q: torch.Tensor,
                  seqs: torch.Tensor, max_q_len: int, scale: float, out: torch.Tensor,
-                 block_m: int = 32, block_n: int = 32) -> None:
+                 block_m: int = 32, block_n: int = 32, num_warps: int = 4, num_stages: int = 3) -> None:
     """Causal attention of the new tokens of sequences `seqs` [Be] int32 over their
     cached prefix and themselves, written into out (same shape as q [T, Hq, D]).
 
@@ -312,4 +312,4 @@ def paged_extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), page_size,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block(dim),
-        UPCAST=INTERPRETED)
+        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages)
