@@ -8,9 +8,10 @@ paged output is checked against SDPA's; the exit code is 1 if any check failed o
 backend raised.
 
 Timing: calls run back to back between two CUDA events (one sync per measurement, not
-per call), the median of 5 measurements; each call reads another copy of the KV when one
-copy would fit in L2, so the figures are HBM bandwidth, not cache. The plan is built
-once per batch, outside the timing, as the engine amortizes it over layers.
+per call), captured in one CUDA graph (as the engine's decode steps are), the median of 5
+measurements; each call reads another copy of the KV when one copy would fit in L2, so
+the figures are HBM bandwidth, not cache. The plan is built once per batch, outside the
+timing, as the engine amortizes it over layers.
 
     --device cuda (default when available): bf16, 32 q heads, 8 KV heads, head dim
         128, page size 16; batch 1/16/64 x 1K/4K/16K (--quick) or more points.
@@ -120,25 +121,45 @@ class Case:
 
 
 def seconds_per_call(fn, copies: int, device: torch.device, repeats: int = 5, target_s: float = 0.02) -> float:
-    """Median over `repeats` of (time of n back-to-back calls) / n, the copies in turn."""
+    """Median over `repeats` of (time of n back-to-back calls) / n, the copies in turn. On CUDA
+    the n calls are captured in one CUDA graph and replayed, as the engine replays its decode
+    steps, so that the figure is the kernels' and not Python's launch overhead; a call that
+    cannot be captured is timed in an eager loop instead."""
     fn(0)
     fn(min(1, copies - 1))
-    one = _measure(fn, 1, copies, device)
-    n = max(copies, min(2000, math.ceil(target_s / max(one, 1e-7))))
-    times = sorted(_measure(fn, n, copies, device) / n for _ in range(repeats))
+    one = _measure(lambda: [fn(0)], device)
+    n = max(copies, min(1000, math.ceil(target_s / max(one, 1e-7))))
+    run = (_graphed(fn, n, copies) if device.type == "cuda" else None) or (lambda: [fn(i % copies) for i in range(n)])
+    times = sorted(_measure(run, device) / n for _ in range(repeats))
     return times[len(times) // 2]
 
 
-def _measure(fn, n: int, copies: int, device: torch.device) -> float:
+def _graphed(fn, n: int, copies: int):
+    """graph.replay of n calls, or None when a call cannot be captured (a host sync)."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):  # first calls outside the capture, on its stream (torch's advice)
+            fn(0)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                fn(i % copies)
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
+def _measure(run, device: torch.device) -> float:
     if device.type != "cuda":
         start = time.perf_counter()
-        for i in range(n):
-            fn(i % copies)
+        run()
         return time.perf_counter() - start
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    for i in range(n):
-        fn(i % copies)
+    run()
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / 1e3
