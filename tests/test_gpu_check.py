@@ -52,3 +52,19 @@ def test_the_engine_step_fails_when_the_engine_differs(checkpoints, monkeypatch)
     llama = os.path.join(checkpoints, "llama")
     problems = gpu_check.compare_one(llama, AutoTokenizer.from_pretrained(llama), "cpu", "float32")
     assert "token" in problems and "logits differ" in problems
+
+
+def test_the_kernel_bench_exits_1_when_a_paged_output_is_off(monkeypatch, capsys):
+    """kernels.bench checks every paged backend against SDPA over contiguous KV; a backend
+    off by 0.1 fails its rows and the exit code, honest ones pass."""
+    from kernels import bench
+    from kernels.torch_ref import TorchAttention
+
+    class Off(TorchAttention):
+        def attend(self, *args):
+            return super().attend(*args) + 0.1
+    assert bench.main(["--device", "cpu", "--quick"]) == 0
+    monkeypatch.setattr(bench, "paged_backends", lambda device: {"torch-paged": TorchAttention(), "off": Off()})
+    assert bench.main(["--device", "cpu", "--quick"]) == 1
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("decode", "extend"))]
+    assert rows and all("FAIL" in line.split("| off")[1] for line in rows[-4:])
