@@ -7,13 +7,20 @@ source .venv/bin/activate
 # Its own process group: tritonserver 2.51 sometimes never sends a Python model its finalize
 # (triton-inference-server/server#8755), exits after its 30 s exit timeout and leaves that
 # model's stub running; killing the group at the end reaps it.
-setsid tritonserver --model-repository model_repository "${@:2}" &
+# Its output goes to LOG, read at the end to tell that failure apart (scripts/server_exit.sh),
+# and is shown from there as it comes.
+LOG=$(mktemp -t tandem-serve.XXXXXX)
+setsid tritonserver --model-repository model_repository "${@:2}" > "$LOG" 2>&1 &
 SERVER=$!
+tail -n +1 -f --pid=$SERVER "$LOG" &
 stop_server() {
     local rc=0
     kill $SERVER 2>/dev/null && { wait $SERVER 2>/dev/null || rc=$?; }
     kill -9 -- -$SERVER 2>/dev/null || true
-    return $rc
+    local status=0
+    scripts/server_exit.sh "$LOG" $rc || status=$?
+    rm -f "$LOG"
+    return $status
 }
 trap stop_server EXIT INT TERM
 for _ in $(seq 1 300); do
