@@ -136,6 +136,35 @@ def test_the_transfer_thread_waits_for_the_event_before_nixl_reads_the_pages():
     assert event.waits == ["tandem-transfer"] and order == [("write_kv", "tandem-transfer")]
 
 
+def test_the_transfer_thread_reads_notifications_often_while_its_role_awaits_one():
+    """Reading NIXL's notifications every 20 ms when idle cost each awaited destination (or
+    KV landing) up to 20 ms; while the role awaits one, the thread reads every 2 ms."""
+    from backends.disagg.worker import POLL_S, TransferWorker
+    reads, awaiting = [], [False]
+
+    class Transport:
+        def messages(self):
+            reads.append(time.monotonic())
+            return []
+
+        def close(self):
+            pass
+    worker = TransferWorker(Transport(), lambda: None, 30, expecting=lambda: awaiting[0])
+    try:
+        time.sleep(0.05)
+        idle = len(reads)
+        time.sleep(0.3)
+        idle = len(reads) - idle                    # 0.3 s at 10 x POLL_S: about 15
+        awaiting[0] = True
+        time.sleep(0.05)
+        hot = len(reads)
+        time.sleep(0.3)
+        hot = len(reads) - hot                      # 0.3 s at POLL_S: about 150
+    finally:
+        worker.stop()
+    assert idle <= 0.3 / (10 * POLL_S) + 3 and hot >= 3 * (0.3 / (10 * POLL_S)), (idle, hot)
+
+
 # ---- exact output ------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["off", "on"], ids=["overlap-off", "overlap-on"])
 def pair(checkpoint, request):

@@ -53,7 +53,8 @@ class DecodeRole:
         self.slots = protocol.SlotPool(self.cfg.meta_slots)
         transport = KVTransport(f"tandem-decode-{uuid.uuid4().hex[:8]}", scheduler.runner.kv, self.meta,
                                 listen_port=None)
-        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s)
+        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s,
+                                     expecting=lambda: bool(self.transfer))
 
     def close(self) -> None:
         self.worker.stop()

@@ -79,7 +79,8 @@ class PrefillRole:
         self.slots = protocol.SlotPool(self.cfg.meta_slots)
         transport = KVTransport(prefill_agent_name(self.cfg.nixl_port), scheduler.runner.kv, self.meta,
                                 listen_port=self.cfg.nixl_port)
-        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s)
+        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s,
+                                     expecting=lambda: bool(self.bootstrap))
         log.info("prefill NIXL agent %s listening on port %d", transport.name, transport.port)
 
     def close(self) -> None:

@@ -40,8 +40,12 @@ class Shipment:
 
 
 class TransferWorker:
-    def __init__(self, transport: KVTransport, wake: Callable[[], None], timeout_s: float):
-        self.transport, self.wake, self.timeout_s = transport, wake, timeout_s
+    def __init__(self, transport: KVTransport, wake: Callable[[], None], timeout_s: float,
+                 expecting: Callable[[], bool] = lambda: False):
+        """expecting: whether the role awaits a message (prefill: a destination; decode: KV
+        landing). The thread then reads NIXL's notifications every POLL_S, as it does while
+        shipping; otherwise every 10 x POLL_S, which cost each awaited message up to 20 ms."""
+        self.transport, self.wake, self.timeout_s, self.expecting = transport, wake, timeout_s, expecting
         self.commands: queue.Queue = queue.Queue()
         self.events: collections.deque = collections.deque()
         self.shipments: dict[int, Shipment] = {}
@@ -78,7 +82,8 @@ class TransferWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                fn = self.commands.get(timeout=POLL_S if self.shipments else 10 * POLL_S)
+                hot = self.shipments or self.expecting()
+                fn = self.commands.get(timeout=POLL_S if hot else 10 * POLL_S)
                 fn()
                 while not self.commands.empty():
                     self.commands.get_nowait()()
