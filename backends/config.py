@@ -26,7 +26,7 @@ class EngineConfig:
     role: str = field(default="colocated", metadata={"doc": "colocated, prefill or decode (set by each model)"})
     device: str = field(default="auto", metadata={
         "doc": "auto (cuda if present, else cpu; TANDEM_DEVICE overrides auto), cpu, cuda or cuda:N"})
-    dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu), float32, bfloat16 or float16"})
+    dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu; TANDEM_DTYPE overrides auto), float32, bfloat16 or float16"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})
@@ -141,12 +141,17 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be auto or one of {list(dtypes)}, got {self.dtype!r}")
-        return dtypes[self.dtype]
+        name = self.dtype
+        if name == "auto":
+            # TANDEM_DTYPE pins `auto` too (TANDEM_DEVICE=cuda TANDEM_DTYPE=float32: the suite's
+            # fp32 references hold on a GPU)
+            name = os.environ.get("TANDEM_DTYPE") or ("bfloat16" if self.torch_device.type == "cuda" else "float32")
+        if name not in dtypes:
+            source = "TANDEM_DTYPE" if self.dtype == "auto" else "dtype"
+            raise ValueError(f"{source} must be {'' if source == 'dtype' else 'unset or '}"
+                             f"{'auto or ' if source == 'dtype' else ''}one of {list(dtypes)}, got {name!r}")
+        return dtypes[name]
 
     def step_budget(self, decodes: int) -> int:
         """The token budget of a step that has `decodes` running decodes. On CPU a prefill

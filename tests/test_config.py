@@ -118,3 +118,14 @@ def test_tandem_device_pins_auto_and_an_explicit_device_wins(monkeypatch):
     monkeypatch.setenv("TANDEM_DEVICE", "cuda")
     assert EngineConfig().torch_device.type == "cuda" and EngineConfig().torch_dtype == torch.bfloat16
     assert EngineConfig(device="cpu").torch_device.type == "cpu"
+
+
+def test_tandem_dtype_pins_auto_and_a_bad_one_is_refused_naming_it(monkeypatch):
+    from backends.config import EngineConfig
+    monkeypatch.setenv("TANDEM_DEVICE", "cuda")
+    monkeypatch.setenv("TANDEM_DTYPE", "float32")
+    assert EngineConfig().torch_dtype == torch.float32
+    assert EngineConfig(dtype="bfloat16").torch_dtype == torch.bfloat16
+    monkeypatch.setenv("TANDEM_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="TANDEM_DTYPE.*'fp8'"):
+        EngineConfig().torch_dtype
