@@ -17,8 +17,14 @@ fi
 export PYTHONPATH=$ROOT
 if ! "$PY" -c "import pytest, transformers, safetensors, numpy" 2>/dev/null; then
     echo "installing the carried wheels into $PREP/site"
+    # The image's own numpy stays: its scipy (which transformers imports through sklearn when
+    # it is there) needs numpy 2, and a carried 1.26 ahead of it on the path broke that import
+    # under pytest on the H200 image. numpy < 2 matters only inside the Triton stub.
+    REQS=$OUT/gpu_wheels.txt
+    if "$PY" -c "import numpy" 2>/dev/null; then grep -v '^numpy==' scripts/gpu_wheels.txt > "$REQS"
+    else cp scripts/gpu_wheels.txt "$REQS"; fi
     "$PY" -m pip install -q --no-index --find-links "$PREP/wheels" --target "$PREP/site" \
-        -r scripts/gpu_wheels.txt || { echo "FAIL wheels: run scripts/gpu_prepare.sh and carry .gpu-check"; exit 1; }
+        -r "$REQS" || { echo "FAIL wheels: run scripts/gpu_prepare.sh and carry .gpu-check"; exit 1; }
     export PYTHONPATH=$ROOT:$PREP/site
 fi
 timeout 480 "$PY" -m client.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.txt"
