@@ -148,9 +148,8 @@ class EngineConfig:
             # fp32 references hold on a GPU)
             name = os.environ.get("TANDEM_DTYPE") or ("bfloat16" if self.torch_device.type == "cuda" else "float32")
         if name not in dtypes:
-            source = "TANDEM_DTYPE" if self.dtype == "auto" else "dtype"
-            raise ValueError(f"{source} must be {'' if source == 'dtype' else 'unset or '}"
-                             f"{'auto or ' if source == 'dtype' else ''}one of {list(dtypes)}, got {name!r}")
+            what = "TANDEM_DTYPE" if self.dtype == "auto" else "dtype (or auto)"
+            raise ValueError(f"{what} must be one of {list(dtypes)}, got {name!r}")
         return dtypes[name]
 
     def step_budget(self, decodes: int) -> int:

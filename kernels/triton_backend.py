@@ -31,8 +31,9 @@ class TritonPlan:
 
 
 # Tile sizes and launch shapes picked by a sweep on an H200 (bf16, 32 q / 8 KV heads, head dim
-# 128; docs/kernels.md): 2.6-3.3 TB/s of KV read at decode batch 16-64 x 4K became 3.4-4.2, and
-# extend went from about 93 to 225-240 TFLOP/s. The interpreter ignores warps and stages.
+# 128; docs/kernels.md, `python -m kernels.tune`): decode at batch 16-64 x 4K-16K read 2.7-3.4
+# TB/s of KV before and 3.9-4.2 after, extend went from 78-97 to 217-246 TFLOP/s; on an H100 the
+# decode gain is smaller and nothing got slower. The interpreter ignores warps and stages.
 DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES, DECODE_PROGRAMS_PER_SM = 64, 4, 2, 4
 EXTEND_BLOCK_M, EXTEND_BLOCK_N, EXTEND_WARPS, EXTEND_STAGES = 64, 128, 4, 1
 
