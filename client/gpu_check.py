@@ -138,10 +138,10 @@ def compare_one(path: str, tokenizer, device: str = "cuda", dtype: str = "bfloat
     with torch.no_grad():
         want_logits = ref(ids).logits[0, -1]
         low_err = (low(ids.to(device)).logits[0, -1].float().cpu() - want_logits).abs().max().item()
-    err = (got_logits - want_logits).abs().max().item()
-    allowed = 2 * low_err + 1e-3 * want_logits.abs().max().item()
+    err, scale = (got_logits - want_logits).abs().max().item(), want_logits.abs().max().item()
+    allowed = 2 * low_err + 1e-3 * scale
     print(f"  {os.path.basename(path)}: first-step logits off fp32 by {err:.3f} (engine, {dtype} on {device}) "
-          f"and {low_err:.3f} (transformers, same); scale {want_logits.abs().max().item():.2f}", flush=True)
+          f"and {low_err:.3f} (transformers, same); scale {scale:.2f}", flush=True)
     if err > allowed:
         problems.append(f"first-step logits differ by {err:.3f}, allowed {allowed:.3f} "
                         f"(transformers in {dtype}: {low_err:.3f})")

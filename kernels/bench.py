@@ -93,11 +93,11 @@ class Case:
         self.batch, self.q_len, self.ctx = batch, q_len, ctx
         self.paged, self.contiguous = [], []
         slots = (pages.to(device)[:, :, None] * size + torch.arange(size, device=device)).flatten(1)[:, :ctx]
+        # [B, Hkv, ctx, D]: the same values, each sequence's positions in order
+        lay = lambda c: c.flatten(0, 1)[slots].transpose(1, 2).contiguous()
         for _ in range(copies):
             k, v = (torch.randn(batch * per_seq, size, hkv, dim, dtype=dtype, device=device) for _ in range(2))
             self.paged.append((k, v))
-            # [B, Hkv, ctx, D]: the same values, each sequence's positions in order
-            lay = lambda c: c.flatten(0, 1)[slots].transpose(1, 2).contiguous()
             self.contiguous.append((lay(k), lay(v)))
 
     def kv_bytes(self) -> int:
@@ -118,6 +118,15 @@ class Case:
             mask = torch.ones(self.q_len, self.ctx, dtype=torch.bool, device=q.device).tril(self.ctx - self.q_len)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(self.q.shape)
+
+
+def copies_past_l2(batch: int, ctx: int, shape: dict, dtype: torch.dtype, device: torch.device) -> int:
+    """How many copies of a point's KV (paged and contiguous) one measurement cycles through,
+    so that no call finds its KV in L2 (one on the CPU)."""
+    if device.type != "cuda":
+        return 1
+    per_copy = 4 * batch * ctx * shape["hkv"] * shape["dim"] * torch.finfo(dtype).bits // 8  # K, V; paged, contiguous
+    return max(1, math.ceil(L2_DEFEAT_BYTES / per_copy))
 
 
 def seconds_per_call(fn, copies: int, device: torch.device, repeats: int = 5, target_s: float = 0.02) -> float:
@@ -167,8 +176,7 @@ def _measure(run, device: torch.device) -> float:
 
 def run_point(kind, batch, q_len, ctx, shape, dtype, device, found) -> tuple[str, bool]:
     """One table row, and whether every check passed."""
-    per_copy = 4 * batch * ctx * shape["hkv"] * shape["dim"] * torch.finfo(dtype).bits // 8  # K, V; paged, contiguous
-    copies = max(1, math.ceil(L2_DEFEAT_BYTES / per_copy)) if device.type == "cuda" else 1
+    copies = copies_past_l2(batch, ctx, shape, dtype, device)
     case = Case(batch, q_len, ctx, shape, dtype, device, copies=copies)
     scale = shape["dim"] ** -0.5
     rate = (lambda t: f"{case.kv_bytes() / t / 1e12:6.3f} TB/s") if kind == "decode" else \
