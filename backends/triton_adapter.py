@@ -23,8 +23,10 @@ from backends.engine import Engine, InvalidRequest
 from backends.request import RequestOutput
 from backends.role import disagg_config, make_role
 from backends.triton_io import OUTPUTS, control_room, parse_request
-from backends.triton_stream import (LatencyMetrics, ResponseStream, StreamingModel, model_parameters, process_alive,
-                                    request_parent)
+from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
+from backends.token_channel import Writer, Writers
+from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseStream, StreamingModel, model_parameters,
+                                    process_alive, request_parameters)
 
 log = logging.getLogger("tandem.adapter")
 # A send waits 0.5 ms p50 for the server process to take the response, nearly all of it the
@@ -61,6 +63,7 @@ class EngineModel(StreamingModel):
         self.cfg = EngineConfig.from_params(self.params, role=self.role)
         self.disagg = disagg_config(self.role, self.params)
         self.sends = SendPool(SEND_THREADS)
+        self.channels = Writers()   # to the routers that asked for their tokens by channel
         self.engine = self.create_engine()
         self.engine.start()
         # request id -> (its stream, the process reading it when the request came over BLS)
@@ -95,7 +98,10 @@ class EngineModel(StreamingModel):
                                      "bootstrap_room (send requests to `router` or `llm`)")
             ids = self.engine.tokenize(req.prompt, chat=req.chat)
             wanted = tuple(request.requested_output_names()) or OUTPUTS
-            stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort, self.latencies)
+            parameters = request_parameters(request)
+            parent = parameters.get(PARENT_PARAMETER)
+            stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort, self.latencies,
+                                    self._channel(parent, parameters))
             engine_request = self.engine.make_request(
                 ids, req.params, self._sink(stream), room=req.room,
                 request_id=None if req.room is None else room_request_id(req.room))
@@ -107,8 +113,14 @@ class EngineModel(StreamingModel):
             self._reject(sender, f"internal error: {exc}")
             return
         with self.lock:
-            self.streams[engine_request.id] = (stream, request_parent(request))
+            self.streams[engine_request.id] = (stream, parent)
         self.engine.submit(engine_request)
+
+    def _channel(self, parent: str | None, parameters: dict) -> Writer | None:
+        """The token channel of the router that sent this request, if it asked for one."""
+        if not (parent and parameters.get(CHANNEL_PARAMETER) and self.role == "decode"):
+            return None
+        return self.channels.get(parent)
 
     def _sink(self, stream: ResponseStream):
         def send(out: RequestOutput) -> None:
@@ -139,6 +151,7 @@ class EngineModel(StreamingModel):
     def close(self) -> None:
         self.engine.stop()
         self.sends.close()
+        self.channels.close()
 
 
 class SendPool:

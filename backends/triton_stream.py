@@ -13,6 +13,7 @@ import threading
 import time
 
 from backends.request import RequestOutput
+from backends.token_channel import Writer
 from backends.triton_io import PER_TOKEN_OUTPUTS, GenerateRequest, output_arrays
 
 log = logging.getLogger("tandem.adapter")
@@ -46,12 +47,17 @@ def process_alive(identity: str) -> bool:
     return f"{identity.split(':')[0]}:{fields[19]}" == identity and fields[0] not in "ZX"
 
 
+def request_parameters(request) -> dict:
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):
+        return {}
+    return parameters if isinstance(parameters, dict) else {}
+
+
 def request_parent(request) -> str | None:
     """The identity of the process that sent `request` over BLS and reads its responses."""
-    try:
-        return json.loads(request.parameters() or "{}").get(PARENT_PARAMETER)
-    except (AttributeError, ValueError):
-        return None
+    return request_parameters(request).get(PARENT_PARAMETER)
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -63,8 +69,11 @@ class ResponseStream:
     """The sink of one request: turns engine outputs into Triton responses."""
 
     def __init__(self, pb, sender, req: GenerateRequest, wanted: tuple[str, ...], on_gone,
-                 latencies: "LatencyMetrics | None" = None):
+                 latencies: "LatencyMetrics | None" = None, channel: "Writer | None" = None):
         self.pb, self.sender, self.req, self.wanted = pb, sender, req, wanted
+        # The router's token channel (backends.token_channel): outputs go there, and the BLS
+        # stream carries only its end.
+        self.channel = channel
         # Each response tensor costs the stub a shared-memory copy and the server a protobuf
         # field, so the constant ones ride only on the first and last response of a stream.
         self.wanted_mid = tuple(name for name in wanted if name in PER_TOKEN_OUTPUTS)
@@ -134,6 +143,8 @@ class ResponseStream:
                 return
             out = RequestOutput(out.request_id, "".join(self.text), self.ids, True, out.finish_reason,
                                 num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens)
+        if self.channel is not None:
+            return self._send_by_channel(out, final)
         text, self.prefix = self.prefix + out.text, ""
         wanted = self.wanted if self.responses == 0 or out.finished else self.wanted_mid
         self.responses += 1
@@ -141,6 +152,20 @@ class ResponseStream:
                                out.num_output_tokens, wanted)
         tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
         self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
+
+
+    def _send_by_channel(self, out: RequestOutput, final: int) -> None:
+        try:
+            self.channel.send(self.req.room, out)
+        except OSError as exc:
+            # The router lost this stream's order: end it over BLS, and the raise aborts it here.
+            self.closed, self.channel = True, None
+            error = self.pb.TritonError(f"decode lost its token channel to the router: {exc}")
+            self.sender.send(self.pb.InferenceResponse(output_tensors=[], error=error),
+                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            raise
+        if final:
+            self.sender.send(flags=final)
 
 
 class StreamingModel:

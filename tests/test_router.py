@@ -171,6 +171,29 @@ def test_router_sends_each_token_without_waiting_for_the_next(router_server):
     client.close()
 
 
+def channel_sockets(server: TritonServer) -> int:
+    """Unix sockets named after the router stub's token channel: its listener, and each decode
+    connection it accepted (backends.token_channel)."""
+    from backends.triton_stream import process_identity
+    name = "@tandem-tokens-" + process_identity(stub_pid(server, "router"))
+    with open("/proc/net/unix") as f:
+        return sum(line.rstrip().endswith(name) for line in f)
+
+
+def test_decode_streams_its_tokens_by_the_router_channel(router_server):
+    assert stream_generate(router_server.grpc_url, "router", "Hi", max_tokens=4).error is None
+    assert channel_sockets(router_server) >= 2, "the router listens and decode's stub is connected"
+
+
+def test_router_without_token_channel_streams_over_bls(default_model, tmp_path_factory):
+    parameters = disagg_parameters(free_port())
+    server = TritonServer(str(tmp_path_factory.mktemp("repo_bls")), models=["llm", "prefill", "decode", "router"],
+                          parameters={**parameters, "router": {"token_channel": "false"}})
+    with server:
+        assert_llm_and_router_equal_transformers(server)
+        assert channel_sockets(server) == 0
+
+
 @pytest.mark.parametrize("children", ["bls", "grpc"])
 def test_router_stub_crash_frees_its_childrens_kv(default_model, tmp_path_factory, children):
     """The router's stub dies (SIGSEGV) with three streams on decode: their requests on decode

@@ -10,6 +10,7 @@ hosts, a remote tritonserver over gRPC (`prefill_url` / `decode_url`).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import faulthandler
 import logging
@@ -21,6 +22,8 @@ import numpy as np
 
 from backends.parameters import refuse_unknown, typed_parameter
 from backends.request import InvalidRequest, RequestOutput
+from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
+from backends.token_channel import Listener
 from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseStream, StreamingModel, model_parameters,
                                     process_identity)
 from backends.triton_io import OUTPUTS, parse_request
@@ -34,7 +37,11 @@ PARAMETERS = {
     "decode_model": "decode",
     "default_max_tokens": 256,
     "max_threads": 512,
+    "token_channel": True,  # a local decode sends its tokens on a unix socket, not as BLS responses
 }
+# With the token channel, decode's BLS stream ends right after its last frame is written; the
+# frame may still be on its way through the channel's reader.
+CHANNEL_GRACE_S = 5.0
 CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"]
 
 
@@ -72,11 +79,13 @@ class Retired:
 class LocalChild:
     """A model in the same tritonserver, called with BLS."""
 
-    def __init__(self, pb, model: str, retired: Retired):
+    def __init__(self, pb, model: str, retired: Retired, channel: bool = False):
         self.pb, self.model, self.retired = pb, model, retired
         self.parameters = {PARENT_PARAMETER: process_identity()}  # the child aborts if this process dies
+        if channel:
+            self.parameters[CHANNEL_PARAMETER] = "1"
 
-    def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, dict]]:
+    def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, RequestOutput]]:
         """(error, outputs) per response, until the child's final one."""
         request = self.pb.InferenceRequest(
             model_name=self.model, requested_output_names=CHILD_OUTPUTS, parameters=self.parameters,
@@ -85,9 +94,9 @@ class LocalChild:
         try:
             for response in responses:
                 if response.has_error():
-                    yield response.error().message(), {}
+                    yield response.error().message(), None
                 else:
-                    yield None, {t.name(): t.as_numpy() for t in response.output_tensors()}
+                    yield None, child_output({t.name(): t.as_numpy() for t in response.output_tensors()})
         finally:
             self.retired.add(responses)
 
@@ -108,10 +117,10 @@ class RemoteChild:
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
 
-    def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, dict]]:
+    def stream(self, tensors: dict[str, np.ndarray]) -> Iterator[tuple[str | None, RequestOutput | None]]:
         from backends.grpc_stream import numpy_inputs, stream_events
         for error, outputs in stream_events(self.url, self.model, numpy_inputs(tensors), timeout_s=600):
-            yield error, outputs or {}
+            yield error, None if error else child_output(outputs or {})
 
     def cancel(self, room: int) -> None:
         from backends.grpc_stream import numpy_inputs, stream_events
@@ -134,21 +143,21 @@ class Relay:
         self.echoed = 0         # how much of it decode has sent again
         self.decoded = 0        # output tokens decode has sent
         self.done = False       # the final response is sent (or no more may be)
+        self.ended = threading.Event()  # set with done
         self.cancelled = False
 
-    def from_prefill(self, outputs: dict) -> None:
-        ids, text = _ids(outputs), _text(outputs)
+    def from_prefill(self, out: RequestOutput) -> None:
+        ids, text = out.token_ids, out.text
         with self.lock:
             if self.done or self.forwarded or not ids or not text:
                 return  # decode got there first, or the first token is not a whole character yet
             self.forwarded, self.prefill_text = len(ids), text
-            self._send(RequestOutput(str(self.room), text, ids, num_prompt_tokens=_int(outputs, "num_input_tokens"),
+            self._send(RequestOutput(str(self.room), text, ids, num_prompt_tokens=out.num_prompt_tokens,
                                      num_output_tokens=len(ids)))
 
-    def from_decode(self, outputs: dict) -> None:
-        """Forwards one decode response at once; the one with a finish reason is the last."""
-        ids, text = _ids(outputs), _text(outputs)
-        reason = _str(outputs, "finish_reason")
+    def from_decode(self, out: RequestOutput) -> None:
+        """Forwards one decode output at once; the one with a finish reason is the last."""
+        ids, text, reason = out.token_ids, out.text, out.finish_reason
         final = bool(reason)
         with self.lock:
             start, self.decoded = self.decoded, self.decoded + len(ids)
@@ -160,10 +169,10 @@ class Relay:
             if not (ids or text or final):
                 return
             self.forwarded = max(self.forwarded, self.decoded)
-            self.done = final
+            self._end(final)
             self._send(RequestOutput(str(self.room), text, ids, finished=final, finish_reason=reason or None,
-                                     num_prompt_tokens=_int(outputs, "num_input_tokens"),
-                                     num_output_tokens=_int(outputs, "num_output_tokens")))
+                                     num_prompt_tokens=out.num_prompt_tokens,
+                                     num_output_tokens=out.num_output_tokens))
 
     def _cut_prefill_text(self, text: str) -> str:
         """Decode's text past what prefill already sent (both detokenize the same tokens alike)."""
@@ -178,25 +187,30 @@ class Relay:
         with self.lock:
             if self.done:
                 return False
-            self.done = True
+            self._end(True)
             self._send(RequestOutput(str(self.room), finished=True, finish_reason="error", error=message))
             return True
 
     def shut(self) -> None:
         """Sends nothing more (the model is being finalized)."""
         with self.lock:
+            self._end(True)
+
+    def _end(self, done: bool) -> None:
+        if done:
             self.done = True
+            self.ended.set()
 
     def _send(self, out: RequestOutput) -> None:
         self.client(out)
 
 
-def _ids(outputs: dict) -> list[int]:
-    return [int(t) for t in np.asarray(outputs.get("output_ids", [])).reshape(-1)]
-
-
-def _text(outputs: dict) -> str:
-    return _str(outputs, "text_output")
+def child_output(outputs: dict) -> RequestOutput:
+    """A child's response tensors as the output they stand for (room left blank)."""
+    ids = [int(t) for t in np.asarray(outputs.get("output_ids", [])).reshape(-1)]
+    return RequestOutput("", _str(outputs, "text_output"), ids, finish_reason=_str(outputs, "finish_reason") or None,
+                         num_prompt_tokens=_int(outputs, "num_input_tokens"),
+                         num_output_tokens=_int(outputs, "num_output_tokens"))
 
 
 def _str(outputs: dict, name: str) -> str:
@@ -223,17 +237,34 @@ class RouterModel(StreamingModel):
         get = lambda key: typed_parameter(key, params[key], PARAMETERS[key]) if params.get(key, "").strip() \
             else PARAMETERS[key]
         self.retired = Retired()
+        self.relays: dict[int, Relay] = {}
+        self.lock = threading.Lock()
         self.prefill = self._child(get("prefill_url"), get("prefill_model"))
-        self.decode = self._child(get("decode_url"), get("decode_model"))
+        channel = get("token_channel") and not get("decode_url")
+        self.decode = self._child(get("decode_url"), get("decode_model"), channel)
+        self.listener = Listener(process_identity(), self._from_channel) if channel else None
         self.default_max_tokens = get("default_max_tokens")
         self.threads = concurrent.futures.ThreadPoolExecutor(get("max_threads"), thread_name_prefix="tandem-router")
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "router"))
-        self.relays: dict[int, Relay] = {}
-        self.lock = threading.Lock()
         self._start_watcher()
 
-    def _child(self, url: str, model: str):
-        return RemoteChild(url, model) if url else LocalChild(self.pb, model, self.retired)
+    def _child(self, url: str, model: str, channel: bool = False):
+        return RemoteChild(url, model) if url else LocalChild(self.pb, model, self.retired, channel)
+
+    def _from_channel(self, batch: list[tuple[int, RequestOutput]]) -> None:
+        """The frames that came together from one decode process: each relay's in order, the
+        relays' sends at once (a send waits for the server), all done before the next batch."""
+        by_room: dict[int, list[RequestOutput]] = collections.defaultdict(list)
+        for room, out in batch:
+            by_room[room].append(out)
+        with self.lock:
+            jobs = [(relay, outs) for room, outs in by_room.items() if (relay := self.relays.get(room))]
+        forward = lambda relay, outs: [relay.from_decode(out) for out in outs]
+        if len(jobs) == 1:
+            return forward(*jobs[0])
+        for future in [self.threads.submit(forward, *job) for job in jobs]:
+            if (exc := future.exception()) is not None:
+                log.error("forwarding decode's tokens failed: %r", exc)
 
     def _start(self, request) -> None:
         sender = request.get_response_sender()
@@ -260,14 +291,16 @@ class RouterModel(StreamingModel):
         """Reads one child's stream to its end (see Retired), whatever the relay does with it."""
         name, other = ("decode", self.prefill) if is_decode else ("prefill", self.decode)
         try:
-            for error, outputs in child.stream(inputs):
+            for error, out in child.stream(inputs):
                 if error:
                     self._child_failed(relay, f"{name}: {error}", other)
                 elif is_decode:
-                    relay.from_decode(outputs)
+                    relay.from_decode(out)
                 else:
-                    relay.from_prefill(outputs)
-            if is_decode:  # a no-op after decode's last response (the relay is done)
+                    relay.from_prefill(out)
+            if is_decode:  # a no-op after decode's last output (the relay is done)
+                if self.listener is not None:
+                    relay.ended.wait(CHANNEL_GRACE_S)
                 self._child_failed(relay, "decode ended its stream without a finish reason", other)
         except Exception as exc:
             log.exception("room %d: %s stream failed", relay.room, name)
@@ -318,4 +351,6 @@ class RouterModel(StreamingModel):
             relays = list(self.relays.values())
         for relay in relays:
             relay.shut()
+        if self.listener is not None:
+            self.listener.close()
         self.threads.shutdown(wait=False, cancel_futures=True)
