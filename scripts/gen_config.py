@@ -36,7 +36,8 @@ ROOM_INPUTS = [  # set by the router only
     ("bootstrap_room", "TYPE_UINT64", "[ 1 ]", True),
     ("cancel_room", "TYPE_UINT64", "[ 1 ]", True),
 ]
-ROUTER_PARAMETERS = {key: str(value) for key, value in ROUTER_DEFAULTS.items()}
+ROUTER_PARAMETERS = {key: str(value).lower() if isinstance(value, bool) else str(value)
+                     for key, value in ROUTER_DEFAULTS.items()}
 OUTPUTS = [
     ("text_output", "TYPE_STRING", "[ 1 ]"),
     ("output_ids", "TYPE_INT32", "[ -1 ]"),

@@ -100,15 +100,18 @@ def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model
 
 
 @pytest.mark.server
-def test_router_refuses_an_unknown_parameter_at_load(tmp_path):
+@pytest.mark.parametrize("parameters, message", [
+    ({"prefil_url": "x:1"}, "router: unknown parameter 'prefil_url' in config.pbtxt"),
+    ({"token_channel": "maybe"}, "parameter 'token_channel' must be true or false, got 'maybe'"),
+])
+def test_router_refuses_a_bad_parameter_at_load(tmp_path, parameters, message):
     from tests.server import TritonServer
-    server = TritonServer(str(tmp_path), models=["router"], parameters={"router": {"prefil_url": "x:1"}},
-                          ready_timeout_s=120)
+    server = TritonServer(str(tmp_path), models=["router"], parameters={"router": parameters}, ready_timeout_s=120)
     with pytest.raises(RuntimeError):
         server.start()
     server.stop()
     with open(server.log_path) as f:
-        assert "router: unknown parameter 'prefil_url' in config.pbtxt" in f.read()
+        assert message in f.read()
 
 
 def test_tandem_device_pins_auto_and_an_explicit_device_wins(monkeypatch):
