@@ -1,8 +1,9 @@
 """decode -> router on one tritonserver: each output as a frame on a unix socket, not a BLS response.
 
-Through BLS each token costs three shared-memory hops and as many process wake-ups (the
-decode stub sends, the server passes it on, the router stub reads it); on a 2-core machine
-at 16 streams that work took cores from decode's forwards. The router listens on an
+Through BLS each token passes through the server process between the two stubs (two
+shared-memory messages, three processes woken); on a 2-core machine those wake-ups land
+inside the engines' forwards, and at 16 streams the relay cost `router` a fifth of its
+throughput. The router listens on an
 abstract unix socket named after its process identity; a decode request that carries
 PARAMETER writes its outputs there, and its BLS stream carries only its end (or an error).
 Frames are JSON (a peer could be any local process of the same user: nothing is unpickled).
