@@ -3,10 +3,10 @@
 Through BLS each token passes through the server process between the two stubs (two
 shared-memory messages, three processes woken); on a 2-core machine those wake-ups land
 inside the engines' forwards, and at 16 streams the relay cost `router` a fifth of its
-throughput. The router listens on an
-abstract unix socket named after its process identity; a decode request that carries
-PARAMETER writes its outputs there, and its BLS stream carries only its end (or an error).
-Frames are JSON (a peer could be any local process of the same user: nothing is unpickled).
+throughput. The router listens on an abstract unix socket named after its process identity;
+a decode request that carries PARAMETER writes its outputs there, and its BLS stream carries
+only its end, or an error (errors never travel as frames). Frames are JSON: a peer could be
+any local process of the same user, so nothing is unpickled.
 """
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ def address(identity: str) -> str:
 
 
 def encode(room: int, out: RequestOutput) -> bytes:
-    body = json.dumps([room, out.text, out.token_ids, out.finished, out.finish_reason, out.error,
+    body = json.dumps([room, out.text, out.token_ids, out.finished, out.finish_reason,
                        out.num_prompt_tokens, out.num_output_tokens]).encode()
     return HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> tuple[int, RequestOutput]:
-    room, text, ids, finished, reason, error, n_in, n_out = json.loads(body)
-    return room, RequestOutput(str(room), text, ids, finished, reason, error, n_in, n_out)
+    room, text, ids, finished, reason, n_in, n_out = json.loads(body)
+    return room, RequestOutput(str(room), text, ids, finished, reason, None, n_in, n_out)
 
 
 class Writer:
@@ -50,7 +50,11 @@ class Writer:
     def __init__(self, identity: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(SEND_TIMEOUT_S)
-        self.sock.connect(address(identity))
+        try:
+            self.sock.connect(address(identity))
+        except OSError:
+            self.sock.close()
+            raise
         self.lock = threading.Lock()
         self.broken = False
 
