@@ -162,3 +162,37 @@ def test_frames_are_length_prefixed_json():
     assert struct.unpack("<I", frame[:4])[0] == len(body)
     batch, rest = Listener._frames(frame + frame[:6])
     assert [(room, out.text, out.token_ids) for room, out in batch] == [(9, "t", [1])] and rest == frame[:6]
+
+
+@pytest.mark.parametrize("frame_comes", [True, False])
+def test_the_router_waits_for_decodes_last_frame_after_its_bls_end(monkeypatch, frame_comes):
+    """Decode's BLS stream can end before the channel's reader has forwarded the final frame:
+    the router waits for it (a short grace here), and fails the stream only if it never comes."""
+    import threading
+
+    from backends.disagg import router as router_module
+    from backends.disagg.router import Relay, RouterModel
+
+    monkeypatch.setattr(router_module, "CHANNEL_GRACE_S", 0.5)
+
+    class Child:
+        model, cancelled = "child", []
+
+        def stream(self, inputs):
+            yield None, RequestOutput("", "", [])  # the bare end a channel stream sends over BLS
+
+        def cancel(self, room):
+            self.cancelled.append(room)
+
+    sent = []
+    router = RouterModel.__new__(RouterModel)
+    router.lock, router.listener, router.prefill, router.decode = threading.Lock(), object(), Child(), Child()
+    relay = Relay(9, sent.append)
+    router.relays = {9: relay}
+    if frame_comes:
+        final = RequestOutput("", "end", [5], finished=True, finish_reason="stop", num_output_tokens=1)
+        threading.Timer(0.1, relay.from_decode, args=(final,)).start()
+    router._run(relay, router.decode, {}, True)
+    assert [out.finish_reason for out in sent] == (["stop"] if frame_comes else ["error"])
+    assert frame_comes or "without a finish reason" in sent[0].error
+    assert router.relays == {}
