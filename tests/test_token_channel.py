@@ -173,7 +173,7 @@ def test_the_router_waits_for_decodes_last_frame_after_its_bls_end(monkeypatch, 
     from backends.disagg import router as router_module
     from backends.disagg.router import Relay, RouterModel
 
-    monkeypatch.setattr(router_module, "CHANNEL_GRACE_S", 0.5)
+    monkeypatch.setattr(router_module, "CHANNEL_GRACE_S", 2.0)  # the frame comes at 0.1 s
 
     class Child:
         model, cancelled = "child", []
