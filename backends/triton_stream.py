@@ -55,11 +55,6 @@ def request_parameters(request) -> dict:
     return parameters if isinstance(parameters, dict) else {}
 
 
-def request_parent(request) -> str | None:
-    """The identity of the process that sent `request` over BLS and reads its responses."""
-    return request_parameters(request).get(PARENT_PARAMETER)
-
-
 def model_parameters(args: dict) -> dict[str, str]:
     config = json.loads(args["model_config"])
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
@@ -152,7 +147,6 @@ class ResponseStream:
                                out.num_output_tokens, wanted)
         tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
         self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
-
 
     def _send_by_channel(self, out: RequestOutput, final: int) -> None:
         try:

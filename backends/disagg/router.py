@@ -142,9 +142,12 @@ class Relay:
         self.prefill_text = ""  # the text of the tokens prefill forwarded
         self.echoed = 0         # how much of it decode has sent again
         self.decoded = 0        # output tokens decode has sent
-        self.done = False       # the final response is sent (or no more may be)
-        self.ended = threading.Event()  # set with done
+        self.ended = threading.Event()  # the final response is sent (or no more may be)
         self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self.ended.is_set()
 
     def from_prefill(self, out: RequestOutput) -> None:
         ids, text = out.token_ids, out.text
@@ -169,7 +172,8 @@ class Relay:
             if not (ids or text or final):
                 return
             self.forwarded = max(self.forwarded, self.decoded)
-            self._end(final)
+            if final:
+                self.ended.set()
             self._send(RequestOutput(str(self.room), text, ids, finished=final, finish_reason=reason or None,
                                      num_prompt_tokens=out.num_prompt_tokens,
                                      num_output_tokens=out.num_output_tokens))
@@ -187,18 +191,13 @@ class Relay:
         with self.lock:
             if self.done:
                 return False
-            self._end(True)
+            self.ended.set()
             self._send(RequestOutput(str(self.room), finished=True, finish_reason="error", error=message))
             return True
 
     def shut(self) -> None:
         """Sends nothing more (the model is being finalized)."""
         with self.lock:
-            self._end(True)
-
-    def _end(self, done: bool) -> None:
-        if done:
-            self.done = True
             self.ended.set()
 
     def _send(self, out: RequestOutput) -> None:
@@ -259,7 +258,9 @@ class RouterModel(StreamingModel):
             by_room[room].append(out)
         with self.lock:
             jobs = [(relay, outs) for room, outs in by_room.items() if (relay := self.relays.get(room))]
-        forward = lambda relay, outs: [relay.from_decode(out) for out in outs]
+        def forward(relay: Relay, outs: list[RequestOutput]) -> None:
+            for out in outs:
+                relay.from_decode(out)
         if len(jobs) == 1:
             return forward(*jobs[0])
         for future in [self.threads.submit(forward, *job) for job in jobs]:
