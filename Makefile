@@ -1,5 +1,5 @@
 # Tandem: the two commands of the README, and their parts.
-.PHONY: setup serve demo test configs bench-peers gpu-check
+.PHONY: setup serve demo test configs bench-peers gpu-check gpu-bench
 
 setup:            ## everything from nothing (idempotent): apt packages, .venv, default model
 	bash scripts/setup.sh
@@ -15,6 +15,9 @@ test: setup       ## the whole test suite
 
 gpu-check:        ## the CUDA path on a GPU box (CUDA steps skip without one): see scripts/gpu_check.sh
 	bash scripts/gpu_check.sh
+
+gpu-bench:        ## an 8B-shaped model on a GPU against the roofline and transformers (tiny CPU smoke run without CUDA)
+	bash scripts/gpu_bench.sh
 
 configs:          ## regenerate the engine models' config.pbtxt from backends/config.py
 	.venv/bin/python scripts/gen_config.py

@@ -67,11 +67,11 @@ def check_request(mc: ModelConfig, max_context: int, prompt_ids: list[int], para
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, role: Role | None = None, tokenizer=None):
+    def __init__(self, cfg: EngineConfig, role: Role | None = None, tokenizer=None, model=None):
         self.cfg = cfg
         refuse_dllm_settings(cfg, role)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_path)
-        self.runner = ModelRunner(cfg)
+        self.runner = ModelRunner(cfg, model)
         eos = self.runner.model.cfg.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.scheduler = Scheduler(cfg, self.runner, tuple(e for e in eos if e is not None), role)
         self._thread: threading.Thread | None = None

@@ -15,7 +15,7 @@ from backends.config import EngineConfig
 from backends.cores import CoreTurns
 from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
 from backends.kv_cache import PagePool, allocate_kv_buffer
-from backends.model import LayerHook, load_model
+from backends.model import LayerHook, LlamaModel, load_model
 from backends.request import Request, SamplingParams
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
@@ -72,7 +72,8 @@ def pack_inputs(pack: IntPack, ids: list[int], positions: list[int], rows: list[
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, model: LlamaModel | None = None):
+        """model: weights already on cfg's device (a benchmark's random model); None loads cfg.model_path."""
         self.cfg = cfg
         self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
         # Load on one thread; the thread that runs the steps takes cfg.num_threads on its first
@@ -82,7 +83,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             os.sched_setaffinity(0, cfg.cores)   # the process: every thread it starts inherits it
             torch.set_num_threads(1)
-        self.model = load_model(cfg.model_path, self.device, self.dtype)
+        self.model = model or load_model(cfg.model_path, self.device, self.dtype)
         mc = self.model.cfg
         self.max_context = cfg.context_limit(mc.max_position)
         self.pool = PagePool(self._num_pages(), cfg.page_size)
