@@ -71,7 +71,7 @@ def build_models(path: str, device: torch.device, dtype: torch.dtype):
 
     torch.manual_seed(0)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), torch_dtype=dtype)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     hf.eval()
     weights = {name: t.detach() for name, t in hf.state_dict().items()}
     ours = LlamaModel(ModelConfig.load(path), weights, device, dtype)
@@ -243,6 +243,12 @@ def environment(device: torch.device) -> dict:
                 transformers=transformers.__version__, cuda=torch.version.cuda, python=platform.python_version())
 
 
+def save(report: dict, out: str, t0: float) -> None:
+    report["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(out, "gpu_bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -286,14 +292,13 @@ def main(argv=None) -> dict:
         report = dict(environment=environment(device), shape=args.shape, config=config, overlap=args.overlap,
                       hardware=hw)
         report["engine"] = engine_levels(args, cfg, ours, tokenizer, config, dtype, hw)
+        save(report, args.out, t0)  # kept if the peer fails or hangs
         del ours
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if not args.no_peer:
             peer_levels(args, hf, config, report["engine"])
-    report["seconds"] = time.perf_counter() - t0
-    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save(report, args.out, t0)
     print(json.dumps(report["environment"]))
     print(table(report))
     return report
