@@ -65,6 +65,8 @@ class LlamaModel:
         self.lm_head = self.linear.prepare(head)
         self.greedy_head = pick_greedy_head(self.linear, head, self.lm_head)  # None: greedy from full logits
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.cos_table = self.sin_table = None  # [positions, D], build_rope_tables
+        self.fused_kv = False  # rotate q, k and store k, v in one op (ops.rope_store), set by the runner
         self.scale = cfg.head_dim ** -0.5
         self.decoder = None  # all layers in one call (kernels.decoder), set by the runner where it applies
         self.mlp = None      # (layer, x) -> MLP output when it is not this model's alone (backends.dp)
@@ -84,13 +86,26 @@ class LlamaModel:
             gate_up=mm(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
             down=mm(get(p + "mlp.down_proj.weight")))
 
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed_sin [T, 1, D] (see kernels.layer_ops.apply_rope)."""
+    def build_rope_tables(self, positions: int) -> None:
+        """cos and signed sin of every position below `positions`, once: a step looks its rows
+        up instead of computing them (eight launches a step on a GPU)."""
+        self.cos_table, self.sin_table = self._rope(torch.arange(positions, device=self.device))
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin [T, D] (sin with its first half negated: kernels.layer_ops.apply_rope)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
-        sin[..., :freqs.shape[-1]].neg_()
+        sin[:, :freqs.shape[-1]].neg_()
         return emb.cos().to(self.dtype), sin.to(self.dtype)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed_sin [T, 1, D] of the positions, from the tables where they were built."""
+        if self.cos_table is None:
+            cos, sin = self._rope(positions)
+        else:
+            cos, sin = self.cos_table[positions], self.sin_table[positions]
+        return cos[:, None, :], sin[:, None, :]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
@@ -100,14 +115,14 @@ class LlamaModel:
         states of `logit_rows` [len(logit_rows), hidden], the lm_head's input (`logits`, `greedy`)."""
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
-        cos, sin = self.rope_tables(positions)
+        cos, sin = (None, None) if self.fused_kv else self.rope_tables(positions)
         if self.decoder is not None and self.mlp is None:
             h = self._decoder_calls(residual, cos, sin, kv, plan, hook)
         else:
             h, after = None, set(hook.after) if hook is not None else set()
             for i, w in enumerate(self.layers):
                 x = ops.add_rms_norm(residual, h, w.input_norm, eps)
-                h = self._attention(x, w, kv[i], cos, sin, attn, plan)
+                h = self._attention(x, w, kv[i], positions, cos, sin, attn, plan)
                 x = ops.add_rms_norm(residual, h, w.post_norm, eps)
                 h = self.mlp(i, x) if self.mlp is not None else \
                     self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
@@ -140,11 +155,17 @@ class LlamaModel:
         the logits (kernels.greedy_head); None where this model has no such head."""
         return self.greedy_head(hidden, banned) if self.greedy_head is not None else None
 
-    def _attention(self, x, w: LayerWeights, kv_layer, cos, sin, attn, plan) -> torch.Tensor:
+    def _attention(self, x, w: LayerWeights, kv_layer, positions, cos, sin, attn, plan) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         if t == 0:
             return x  # an idle batch (DP attention): no attention, only the MLP's collectives
         qkv = self.linear(x, w.qkv, w.qkv_bias)
+        if self.fused_kv:  # the Triton backend's plan carries the slots
+            self.ops.rope_store(qkv, cfg.num_heads, cfg.num_kv_heads, positions, self.cos_table, self.sin_table,
+                                kv_layer[0], kv_layer[1], plan.meta.slot_mapping)
+            q = qkv[:, :self.q_size].view(t, cfg.num_heads, cfg.head_dim)
+            o = attn.attend(q, kv_layer[0], kv_layer[1], plan, self.scale)
+            return self.linear(o.reshape(t, self.q_size), w.o_proj)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is None:  # q and k heads share the rotation: one rope over both
             qk = self.ops.rope(qkv[:, :self.q_size + self.kv_size].view(t, -1, cfg.head_dim), cos, sin)

@@ -99,6 +99,9 @@ class ModelRunner:
             self.attention_backend = resolve_backend_name(cfg.attention_backend, self.device)
             self.attn = create_backend(self.attention_backend, self.device)
             self.model.decoder = pick_decoder(self.model, self.attn)
+            self.model.fused_kv = self.attention_backend == "triton" and not mc.qk_norm \
+                and hasattr(self.model.ops, "rope_store")
+        self.model.build_rope_tables(self.max_context)
         # held by the scheduler around a step's forward and sampling
         self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
         self.packed = self.device.type == "cuda"  # a step's arrays in one pinned copy (tests set it on a CPU)

@@ -1,7 +1,8 @@
 """The decoder's small ops between its matmuls, picked once per device and dtype like
 `kernels.linear`: residual add + RMSNorm, rotary embedding, and the SiLU gate.
 
-`TorchOps` is the reference and the path of GPUs and half precision. On a CPU in fp32
+`TorchOps` is the reference and the path of half precision on a CPU; GPUs run
+`kernels.triton_ops.TritonOps` (the same arithmetic, one launch each). On a CPU in fp32
 `CpuOps` runs them as csrc/layer_ops.c, one call each instead of about twenty torch
 ops a layer (see that file for the why and the numbers). Both keep transformers' order
 of operations; the C norm sums its squares in another order (within ~1e-7 relative).
@@ -103,6 +104,10 @@ class CpuOps(TorchOps):
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
+    if device.type == "cuda":
+        from kernels.triton_ops import TritonOps
+
+        return TritonOps()
     if device.type == "cpu" and dtype == torch.float32:
         from kernels import cbuild
 
