@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.host_pack import IntPack
@@ -78,9 +79,9 @@ class AttentionMetadata:
         after the real ones (a CUDA graph's bucket), each one decode token with one cached
         position, no page (row of page 0) and slot -1 (no KV write)."""
         # Plain Python lists: per-sequence tensor ops cost more than the arithmetic at decode
-        # batch sizes on a CPU.
+        # batch sizes on a CPU. The page table is the exception (page_table_array).
         width = width or max((len(p) for p in page_tables), default=1) or 1
-        table = [x for p in page_tables for x in p[:width] + [0] * (width - len(p))] + [0] * (width * pad)
+        table = page_table_array(page_tables, width, pad)
         slots = [pages[pos // page_size] * page_size + pos % page_size
                  for pages, q, kv in zip(page_tables, q_lens, kv_lens) for pos in range(kv - q, kv)] + [-1] * pad
         q_lens, kv_lens = list(q_lens) + [1] * pad, list(kv_lens) + [1] * pad
@@ -102,6 +103,16 @@ class AttentionMetadata:
         """The metadata over the arrays add_to packed (`IntPack.send`'s or `views`' result)."""
         return AttentionMetadata(q_lens=list(q_lens), kv_lens=list(kv_lens), page_size=page_size,
                                  **{name: tensors[name] for name in DEVICE_ARRAYS})
+
+
+def page_table_array(page_tables: list[list[int]], width: int, pad: int) -> torch.Tensor:
+    """The table [(B + pad) * width] int32, each row a sequence's pages then zeros, written a
+    row at a time into zeros: a CUDA graph's table is as wide as the longest context (8192
+    pages at 128K tokens), too wide to build entry by entry in Python (docs/gpu.md)."""
+    table = np.zeros((len(page_tables) + pad, width), dtype=np.int32)
+    for row, pages in enumerate(page_tables):
+        table[row, :len(pages)] = pages[:width]
+    return torch.from_numpy(table.reshape(-1))
 
 
 DEVICE_ARRAYS = ("page_table", "slot_mapping", "seq_lens", "cu_q", "decode_seqs", "decode_rows", "extend_seqs")

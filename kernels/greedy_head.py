@@ -4,8 +4,8 @@ A bf16 copy of the head screens every logit to within a proven bound and only th
 tokens that can still win are computed again in fp32, the way the panel GEMM computes
 them: the token is exactly argmax of the fp32 logits (first index on ties), for about
 half of the head's weight stream. Only for the panel GEMM's packing (fp32, AVX-512) on a
-CPU with AVX-512 BF16; `pick_greedy_head` returns None elsewhere. The screen runs on the AMX
-tiles where the CPU has them, else on vdpbf16ps.
+CPU with AVX-512 BF16. The screen runs on the AMX tiles where the CPU has them, else on
+vdpbf16ps. On a GPU `pick_greedy_head` gives `DeviceGreedyHead`; elsewhere None.
 """
 from __future__ import annotations
 
@@ -82,10 +82,36 @@ class GreedyHead:
         return self(torch.ones(1, self.k)) is not None
 
 
-def pick_greedy_head(linear, weight: torch.Tensor, packed) -> GreedyHead | None:
-    """The screened head where the lm_head is the panel GEMM's and the CPU has AVX-512 BF16."""
+class DeviceGreedyHead:
+    """Greedy tokens on a GPU. The argmax is taken over the logits in the model's dtype: the
+    fp32 logits the sampler would take are their exact copies, so the token is the same, and
+    the [rows, vocab] fp32 copy is never made. The result is awaited on a CUDA event, whose
+    wait lets go of the GIL (a plain .tolist() waits holding it): with overlap on, the
+    scheduler thread prepares the next step meanwhile."""
+
+    def __init__(self, linear, head):
+        self.linear, self.head = linear, head
+
+    def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int]:
+        logits = self.linear(hidden, self.head)
+        for row, ids in enumerate(banned or []):
+            if ids:
+                logits[row, ids] = float("-inf")
+        host = torch.empty(hidden.shape[0], dtype=torch.int64, pin_memory=True)
+        host.copy_(logits.argmax(dim=-1), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host.tolist()
+
+
+def pick_greedy_head(linear, weight: torch.Tensor, packed) -> GreedyHead | DeviceGreedyHead | None:
+    """On a GPU the device head; on a CPU the screened head where the lm_head is the panel
+    GEMM's and the CPU has AVX-512 BF16."""
     from kernels import cbuild
 
+    if weight.is_cuda:
+        return DeviceGreedyHead(linear, packed)
     if not isinstance(linear, PanelLinear) or not cbuild.available("greedy_head", SIGNATURES):
         return None
     head = GreedyHead(weight, packed)

@@ -26,8 +26,10 @@ class IntPack:
         self.parts: list[tuple[str, list[int], torch.dtype, tuple[int, ...]]] = []
         self.copies = 0  # host -> device copies made by send (what the tests count)
 
-    def add(self, name: str, values: list[int], dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> None:
-        """values flat; shape (default [len(values)]) is the view send gives back."""
+    def add(self, name: str, values: list[int] | torch.Tensor, dtype: torch.dtype,
+            shape: tuple[int, ...] | None = None) -> None:
+        """values flat (a list or a 1-D CPU tensor); shape (default [len(values)]) is the view
+        send gives back."""
         shape = (len(values),) if shape is None else tuple(shape)
         if len(values) != _numel(shape):
             raise ValueError(f"{name}: expected {_numel(shape)} values for shape {shape}, got {len(values)}")
@@ -51,7 +53,7 @@ class IntPack:
         buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         for (_, values, dtype, _), (_, offset, length) in zip(self.parts, self.layout()):
             if length:
-                buf[offset:offset + length].view(dtype).copy_(torch.tensor(values, dtype=dtype))
+                buf[offset:offset + length].view(dtype).copy_(torch.as_tensor(values, dtype=dtype))
         return buf
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -63,7 +65,7 @@ class IntPack:
         """The arrays on the device: one copy of the host buffer (into `into` when given, a
         buffer of at least nbytes), or plain tensors when not packed."""
         if not self.packed:
-            return {name: torch.tensor(values, dtype=dtype).view(shape).to(self.device)
+            return {name: torch.as_tensor(values, dtype=dtype).view(shape).to(self.device)
                     for name, values, dtype, shape in self.parts}
         return self.views(self.copy(self.host(), into))
 

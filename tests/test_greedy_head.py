@@ -138,3 +138,21 @@ def test_sampler_uses_it_only_where_no_logits_are_needed(linear, monkeypatch):
     model.calls.clear()
     tokens2, logprobs = sample(model, x[:1], reqs[:1], [[]], with_logprobs=True)
     assert model.calls == [("logits", 1)] and len(logprobs) == 1 and tokens2 == tokens[:1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_head_matches_fp32_argmax_with_barred_tokens():
+    """On a GPU: the argmax of the bf16 logits, barred ids never chosen, equals the sampler's
+    argmax over their fp32 copy."""
+    from kernels.greedy_head import DeviceGreedyHead
+    from kernels.linear import TorchLinear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    head = torch.randn(5000, 64, generator=g, device="cuda").to(torch.bfloat16)
+    hidden = torch.randn(6, 64, generator=g, device="cuda").to(torch.bfloat16)
+    logits = (hidden @ head.T).float()
+    barred = [[], [int(logits[1].argmax())], [], [1, 2, 3], [], []]
+    for row, ids in enumerate(barred):
+        logits[row, ids] = float("-inf")
+    assert DeviceGreedyHead(TorchLinear(), head)(hidden, barred) == logits.argmax(-1).tolist()

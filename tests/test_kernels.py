@@ -526,3 +526,11 @@ def test_decoder_in_layer_groups_is_bit_identical_and_hooks_see_their_layers(che
 def test_decoder_call_only_where_every_op_is_a_c_kernel(checkpoint, arch, backend, fused):
     """A qkv bias (qwen2), q/k norms (qwen3) or the torch attention keep the per-op loop."""
     assert (cpu_runner(checkpoint(arch), backend).model.decoder is not None) == fused
+
+
+def test_page_table_array_pads_truncates_and_adds_padding_rows():
+    from kernels.base import page_table_array
+
+    table = page_table_array([[4, 5], [], [7, 8, 9, 10]], width=3, pad=2).view(5, 3)
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[4, 5, 0], [0, 0, 0], [7, 8, 9], [0, 0, 0], [0, 0, 0]]
