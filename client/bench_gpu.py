@@ -200,6 +200,45 @@ def engine_levels(args, cfg, ours, tokenizer, config, dtype, hw) -> list[dict]:
     return rows
 
 
+def variant(args, cfg, ours, tokenizer, config, dtype, hw, name: str) -> list[dict]:
+    """The levels again with one thing changed: `overlap` on, or `torch-ops` (the torch
+    composites instead of the fused Triton ops: what those gained)."""
+    from kernels.layer_ops import TorchOps
+
+    print(f"variant {name}", flush=True)
+    ops = ours.ops
+    try:
+        if name == "torch-ops":
+            ours.ops = TorchOps()
+        elif name != "overlap":
+            raise ValueError(f"unknown variant {name!r} (overlap, torch-ops)")
+        return engine_levels(args, cfg.replace(overlap="on") if name == "overlap" else cfg, ours, tokenizer,
+                             config, dtype, hw)
+    finally:
+        ours.ops = ops
+
+
+def serve(args, cfg, hf, tokenizer, report: dict) -> None:
+    """`llm` through tritonserver at the levels of 16 streams and more, beside the in-process rows."""
+    from client.bench_gpu_serve import serve_levels
+
+    checkpoint = os.path.join(args.scratch, "checkpoint")
+    t0 = time.perf_counter()
+    hf.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    print(f"checkpoint saved in {time.perf_counter() - t0:.1f} s", flush=True)
+    levels = [level for level in args.levels if level[0] >= 16]
+    settings = {name: str(getattr(cfg, name)) for name in ("max_running_requests", "num_pages", "max_context",
+                                                           "overlap")}
+    served = serve_levels(args.serve, checkpoint, settings, make_prompts(levels, report["config"]["vocab_size"]),
+                          args.output_tokens, args.out)
+    for row in report["engine"]:
+        got = served.get(f"{row['streams']}x{row['prompt_tokens']}")
+        if got:
+            row["served"], row["served_over_engine"] = got, got["tok_s"] / row["tok_s"]
+    report["served"] = served
+
+
 def peer_levels(args, hf, config, rows) -> None:
     prompts = make_prompts(args.levels, config["vocab_size"])
     run_peer(hf, prompts[args.levels[0]][:1], 4)  # its warm-up
@@ -221,16 +260,23 @@ def row_line(r: dict) -> str:
 
 
 def table(report: dict) -> str:
-    lines = ["| streams x prompt | tok/s | TTFT p50 ms | ITL p50 ms | roofline ms | ITL/roof | graph ms | graph/ITL "
-             "| peer tok/s | peer TTFT | peer ITL | ours/peer |", "|" + "---|" * 12]
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)
+    lines = ["| streams x prompt | tok/s | TTFT p50 ms | ITL p50 ms | roofline ms | ITL/roof | graph ms | graph/ITL "
+             "| peer tok/s | peer TTFT | peer ITL | ours/peer | tritonserver tok/s | served/engine |", "|" + "---|" * 14]
     for r in report["engine"]:
-        p = r.get("peer") or {}
+        p, s = r.get("peer") or {}, r.get("served") or {}
         lines.append(f"| {r['streams']} x {r['prompt_tokens']} | {r['tok_s']:.0f} | {r['ttft_p50_ms']:.1f} | "
                      f"{r['itl_p50_ms']:.2f} | {r['roofline_ms']:.2f} | {r['itl_over_roofline']:.2f} | "
                      f"{fmt(r['graph_ms'])} | {fmt(r['graph_over_itl'])} | {fmt(p.get('tok_s'), '{:.0f}')} | "
                      f"{fmt(p.get('ttft_p50_ms'), '{:.1f}')} | {fmt(p.get('itl_p50_ms'))} | "
-                     f"{fmt(r.get('tok_s_over_peer'))} |")
+                     f"{fmt(r.get('tok_s_over_peer'))} | {fmt(s.get('tok_s'), '{:.0f}')} | "
+                     f"{fmt(r.get('served_over_engine'))} |")
+    for name, rows in report.get("variants", {}).items():
+        lines.append(f"\nvariant {name}: " + "; ".join(
+            f"{r['streams']} x {r['prompt_tokens']}: {r['tok_s']:.0f} tok/s, ITL {r['itl_p50_ms']:.2f} ms, "
+            f"graph {fmt(r['graph_ms'])} ms" for r in rows))
+    if "error" in report.get("served", {}):
+        lines.append(f"\ntritonserver failed: {report['served']['error']}")
     return "\n".join(lines)
 
 
@@ -257,12 +303,20 @@ def parse_args(argv=None):
     p.add_argument("--levels", default=None, help="streams:prompt,...; default 1:128,16:128,64:128,64:1024 "
                                                   "(cpu: 1:16,4:32)")
     p.add_argument("--overlap", choices=("on", "off"), default="off")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="the engine's max_context (the decode graphs' page-table width); default 8192 on cuda")
+    p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap, torch-ops")
+    p.add_argument("--serve", default=None, metavar="TRITONSERVER_DIR",
+                   help="also serve the model with this tritonserver tree (scripts/gpu_serve_prepare.sh)")
+    p.add_argument("--scratch", default=None, help="where the checkpoint is written (default: the temp dir)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--out", default="artifacts/gpu-bench")
     args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or ("8b" if cuda else "tiny")
     args.output_tokens = args.output_tokens or (256 if cuda else 8)
+    args.max_context = args.max_context or (8192 if cuda else 64)
     text = args.levels or ("1:128,16:128,64:128,64:1024" if cuda else "1:16,4:32")
     args.levels = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
     return args
@@ -275,24 +329,30 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_streams = max(c for c, _ in args.levels)
-    max_context = max(p for _, p in args.levels) + args.output_tokens + 16
-    config = hf_config(args.shape, 8192)
+    max_pages = max(c * -(-(p + args.output_tokens + 16) // 16) for c, p in args.levels)
+    config = hf_config(args.shape, max(8192, args.max_context))
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     hw = hardware(device, dtype, small=device.type != "cuda")
     print(f"copy {hw['copy_bytes_s'] / 1e12:.3f} TB/s, {dtype} matmul {hw['matmul_flop_s'] / 1e12:.1f} TFLOP/s",
           flush=True)
-    with tempfile.TemporaryDirectory() as path:
+    with tempfile.TemporaryDirectory(dir=args.scratch) as path:
+        args.scratch = path
         write_checkpoint_dir(path, config)
         hf, ours, tokenizer = build_models(path, device, dtype)
-        pages = max_streams * -(-max_context // 16) + 16
         cfg = EngineConfig(model_path=path, device=args.device, dtype=str(dtype).removeprefix("torch."),
-                           max_running_requests=max_streams, num_pages=pages, max_context=max_context,
-                           overlap=args.overlap)
+                           max_running_requests=max_streams, num_pages=max_pages + 16,
+                           max_context=args.max_context, overlap=args.overlap)
         report = dict(environment=environment(device), shape=args.shape, config=config, overlap=args.overlap,
-                      hardware=hw)
+                      max_context=args.max_context, hardware=hw)
         report["engine"] = engine_levels(args, cfg, ours, tokenizer, config, dtype, hw)
-        save(report, args.out, t0)  # kept if the peer fails or hangs
+        save(report, args.out, t0)  # each part is kept if a later one fails or hangs
+        if args.serve:
+            serve(args, cfg, hf, tokenizer, report)
+            save(report, args.out, t0)
+        for name in args.variants:
+            report.setdefault("variants", {})[name] = variant(args, cfg, ours, tokenizer, config, dtype, hw, name)
+            save(report, args.out, t0)
         del ours
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,150 @@
+"""The `llm` model served by the real tritonserver on the GPU, for client.bench_gpu --serve.
+
+Writes a model repository holding only `llm` (this repository's model, its config.pbtxt
+with the benchmark's engine settings), starts the tritonserver of the nvidia-pytriton wheel
+(carried as a trimmed tree: scripts/gpu_serve_prepare.sh), and streams each level's
+requests over Triton's HTTP generate_stream endpoint, `streams` at once, with a plain
+client (urllib: nothing to install on a bare GPU box). Prompts are the in-process levels'
+token ids written as the word-level tokenizer's words, so the server computes the same
+prompts.
+"""
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_repository(path: str, settings: dict[str, str]) -> str:
+    """A repository with `llm` only, its parameters set to `settings`."""
+    repo = os.path.join(path, "repository")
+    shutil.copytree(os.path.join(ROOT, "model_repository", "llm"), os.path.join(repo, "llm"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = os.path.join(repo, "llm", "config.pbtxt")
+    text = open(config).read()
+    for key, value in settings.items():
+        text, n = re.subn(rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
+        if n != 1:
+            raise ValueError(f"llm's config.pbtxt has no parameter {key!r}")
+    with open(config, "w") as f:
+        f.write(text)
+    return repo
+
+
+def start_server(server_dir: str, repo: str, log_path: str, port: int = 8000) -> subprocess.Popen:
+    """tritonserver from the trimmed wheel tree, with the environment its Python stub needs."""
+    stub_dir = os.path.join(server_dir, "backends", "python")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = os.path.join(server_dir, "python_backend_stubs", version, "triton_python_backend_stub")
+    if not filecmp.cmp(stub, os.path.join(stub_dir, "triton_python_backend_stub"), shallow=False):
+        shutil.copy(stub, stub_dir)  # the stub of this Python
+    libs = os.path.join(os.path.dirname(os.path.dirname(server_dir)), "nvidia_pytriton.libs")
+    env = dict(os.environ, PYTHONPATH=ROOT, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+               LD_LIBRARY_PATH=":".join([sysconfig.get_config_var("LIBDIR"), libs, stub_dir,
+                                         os.environ.get("LD_LIBRARY_PATH", "")]))
+    cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
+           "--model-repository", repo, "--http-port", str(port), "--grpc-port", str(port + 1),
+           "--metrics-port", str(port + 2)]
+    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(server: subprocess.Popen, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with status {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://localhost:{port}/v2/models/llm/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"llm not ready after {timeout_s:.0f} s")
+
+
+def stream_one(port: int, ids: list[int], output_tokens: int) -> dict:
+    """One streamed request: its submit time, the time of every response that carried text,
+    and the tokens the last response counted."""
+    body = json.dumps({"text_input": " ".join(f"t{i}" for i in ids), "max_tokens": output_tokens, "stream": True,
+                       "min_tokens": output_tokens,
+                       "sampling_parameters": json.dumps({"ignore_eos": True})}).encode()
+    req = urllib.request.Request(f"http://localhost:{port}/v2/models/llm/generate_stream", body,
+                                 {"Content-Type": "application/json"})
+    t0, stamps, tokens = time.perf_counter(), [], 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if event.get("text_output"):
+                stamps.append(time.perf_counter())
+            tokens = max(tokens, int(event.get("num_output_tokens", 0)))
+    return dict(t0=t0, stamps=stamps, tokens=tokens)
+
+
+def run_level(port: int, prompts: list[list[int]], output_tokens: int) -> dict:
+    results: list[dict] = [None] * len(prompts)
+    errors: list[str] = []
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = stream_one(port, prompts[i], output_tokens)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    start = min(r["t0"] for r in results)
+    wall = max(r["stamps"][-1] for r in results) - start
+    tokens = sum(r["tokens"] for r in results)
+    itl = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    return dict(tok_s=tokens / wall, tokens=tokens,
+                ttft_p50_ms=1e3 * statistics.median(r["stamps"][0] - r["t0"] for r in results),
+                itl_p50_ms=1e3 * statistics.median(itl))
+
+
+def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], levels: dict, output_tokens: int,
+                 out: str, port: int = 8000) -> dict:
+    """{"STREAMSxPROMPT": figures} through tritonserver (levels: {(streams, prompt): prompts}),
+    or {"error": ...} with the server log's tail."""
+    log_path = os.path.join(out, "tritonserver.log")
+    repo = write_repository(os.path.dirname(checkpoint), {"model_path": checkpoint, **settings})
+    server = start_server(server_dir, repo, log_path, port)
+    try:
+        t0 = time.perf_counter()
+        wait_ready(server, port, 300)
+        rows = {"load_s": time.perf_counter() - t0}
+        stream_one(port, levels[min(levels)][0], 4)  # the first request of a fresh server
+        for level, prompts in levels.items():
+            name = "x".join(map(str, level))
+            rows[name] = run_level(port, prompts, output_tokens)
+            print(f"  tritonserver {name}: {rows[name]}", flush=True)
+        return rows
+    except Exception as exc:
+        tail = open(log_path).read()[-3000:] if os.path.exists(log_path) else ""
+        return {"error": f"{type(exc).__name__}: {exc}", "log_tail": tail}
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
