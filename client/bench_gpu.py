@@ -21,6 +21,7 @@ fp32 (a smoke test: CI runs it); the figures then mean nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -196,8 +197,20 @@ def engine_levels(args, cfg, ours, tokenizer, config, dtype, hw) -> list[dict]:
                              graph_over_itl=None if alone is None else 1e3 * alone / r["itl_p50_ms"]))
             print(row_line(rows[-1]), flush=True)
     finally:
-        engine.stop()
+        release(engine)
     return rows
+
+
+def release(engine) -> None:
+    """Stop the engine and give its KV and graph memory back at once: the next part of the
+    run (a variant, the server, the peer) needs it. Engine.start froze the objects of the
+    time (gc.freeze), so the engine's reference cycles are collected only once unfrozen."""
+    engine.stop()
+    engine.runner.kv = engine.runner.graphs = None
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def variant(args, cfg, ours, tokenizer, config, dtype, hw, name: str) -> list[dict]:

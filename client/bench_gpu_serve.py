@@ -131,7 +131,7 @@ def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], lev
     server = start_server(server_dir, repo, log_path, port)
     try:
         t0 = time.perf_counter()
-        wait_ready(server, port, 300)
+        wait_ready(server, port, 180)
         rows = {"load_s": time.perf_counter() - t0}
         stream_one(port, levels[min(levels)][0], 4)  # the first request of a fresh server
         for level, prompts in levels.items():
