@@ -47,7 +47,8 @@ def start_server(server_dir: str, repo: str, log_path: str, port: int = 8000) ->
     stub_dir = os.path.join(server_dir, "backends", "python")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = os.path.join(server_dir, "python_backend_stubs", version, "triton_python_backend_stub")
-    if not filecmp.cmp(stub, os.path.join(stub_dir, "triton_python_backend_stub"), shallow=False):
+    here = os.path.join(stub_dir, "triton_python_backend_stub")
+    if not os.path.exists(here) or not filecmp.cmp(stub, here, shallow=False):
         shutil.copy(stub, stub_dir)  # the stub of this Python
     libs = os.path.join(os.path.dirname(os.path.dirname(server_dir)), "nvidia_pytriton.libs")
     env = dict(os.environ, PYTHONPATH=ROOT, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
@@ -128,8 +129,9 @@ def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], lev
     or {"error": ...} with the server log's tail."""
     log_path = os.path.join(out, "tritonserver.log")
     repo = write_repository(os.path.dirname(checkpoint), {"model_path": checkpoint, **settings})
-    server = start_server(server_dir, repo, log_path, port)
+    server = None
     try:
+        server = start_server(server_dir, repo, log_path, port)
         t0 = time.perf_counter()
         wait_ready(server, port, 180)
         rows = {"load_s": time.perf_counter() - t0}
@@ -143,6 +145,8 @@ def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], lev
         tail = open(log_path).read()[-3000:] if os.path.exists(log_path) else ""
         return {"error": f"{type(exc).__name__}: {exc}", "log_tail": tail}
     finally:
+        if server is None:
+            return
         server.terminate()
         try:
             server.wait(30)
