@@ -145,10 +145,9 @@ def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], lev
         tail = open(log_path).read()[-3000:] if os.path.exists(log_path) else ""
         return {"error": f"{type(exc).__name__}: {exc}", "log_tail": tail}
     finally:
-        if server is None:
-            return
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
