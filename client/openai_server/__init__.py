@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP service in front of a running tritonserver (`llm`, `router`)."""
