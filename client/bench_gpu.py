@@ -244,7 +244,7 @@ def serve(args, cfg, hf, tokenizer, report: dict) -> None:
     settings = {name: str(getattr(cfg, name)) for name in ("max_running_requests", "num_pages", "max_context",
                                                            "overlap")}
     served = serve_levels(args.serve, checkpoint, settings, make_prompts(levels, report["config"]["vocab_size"]),
-                          args.output_tokens, args.out)
+                          args.output_tokens, args.out, args.stub_path)
     for row in report["engine"]:
         got = served.get(f"{row['streams']}x{row['prompt_tokens']}")
         if got:
@@ -321,6 +321,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap, torch-ops")
     p.add_argument("--serve", default=None, metavar="TRITONSERVER_DIR",
                    help="also serve the model with this tritonserver tree (scripts/gpu_serve_prepare.sh)")
+    p.add_argument("--stub-path", default="", help="put first on the path of the server's Python stub (its numpy)")
     p.add_argument("--scratch", default=None, help="where the checkpoint is written (default: the temp dir)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--out", default="artifacts/gpu-bench")

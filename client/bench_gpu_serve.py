@@ -42,8 +42,9 @@ def write_repository(path: str, settings: dict[str, str]) -> str:
     return repo
 
 
-def start_server(server_dir: str, repo: str, log_path: str, port: int = 8000) -> subprocess.Popen:
-    """tritonserver from the trimmed wheel tree, with the environment its Python stub needs."""
+def start_server(server_dir: str, repo: str, log_path: str, stub_path: str = "", port: int = 8000) -> subprocess.Popen:
+    """tritonserver from the trimmed wheel tree, with the environment its Python stub needs
+    (stub_path first on the stub's path: a numpy < 2, which the 2.51 stub reads BYTES with)."""
     stub_dir = os.path.join(server_dir, "backends", "python")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = os.path.join(server_dir, "python_backend_stubs", version, "triton_python_backend_stub")
@@ -51,7 +52,7 @@ def start_server(server_dir: str, repo: str, log_path: str, port: int = 8000) ->
     if not os.path.exists(here) or not filecmp.cmp(stub, here, shallow=False):
         shutil.copy(stub, stub_dir)  # the stub of this Python
     libs = os.path.join(os.path.dirname(os.path.dirname(server_dir)), "nvidia_pytriton.libs")
-    env = dict(os.environ, PYTHONPATH=ROOT, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    env = dict(os.environ, PYTHONPATH=":".join(p for p in (stub_path, ROOT) if p), PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
                LD_LIBRARY_PATH=":".join([sysconfig.get_config_var("LIBDIR"), libs, stub_dir,
                                          os.environ.get("LD_LIBRARY_PATH", "")]))
     cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
@@ -124,14 +125,14 @@ def run_level(port: int, prompts: list[list[int]], output_tokens: int) -> dict:
 
 
 def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], levels: dict, output_tokens: int,
-                 out: str, port: int = 8000) -> dict:
+                 out: str, stub_path: str = "", port: int = 8000) -> dict:
     """{"STREAMSxPROMPT": figures} through tritonserver (levels: {(streams, prompt): prompts}),
     or {"error": ...} with the server log's tail."""
     log_path = os.path.join(out, "tritonserver.log")
     repo = write_repository(os.path.dirname(checkpoint), {"model_path": checkpoint, **settings})
     server = None
     try:
-        server = start_server(server_dir, repo, log_path, port)
+        server = start_server(server_dir, repo, log_path, stub_path, port)
         t0 = time.perf_counter()
         wait_ready(server, port, 180)
         rows = {"load_s": time.perf_counter() - t0}

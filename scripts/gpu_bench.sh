@@ -18,6 +18,9 @@ if [ -f .gpu-serve/tritonserver.tar.xz ] && "$PY" -c "import sys, torch; sys.exi
     TSDIR=$(mktemp -d)
     tar xJf .gpu-serve/tritonserver.tar.xz -C "$TSDIR"
     SERVE=(--serve "$TSDIR/pytriton/tritonserver")
+    for wheel in .gpu-serve/numpy-*.whl; do   # the stub's numpy (scripts/gpu_serve_prepare.sh)
+        [ -f "$wheel" ] && "$PY" -m zipfile -e "$wheel" "$TSDIR/stub-site" && SERVE+=(--stub-path "$TSDIR/stub-site")
+    done
 fi
 timeout 560 "$PY" -m client.bench_gpu --out "$OUT" "${SERVE[@]}" "$@" 2>&1 | tee "$OUT/gpu_bench.txt"
 exit "${PIPESTATUS[0]}"
