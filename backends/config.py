@@ -62,6 +62,9 @@ class EngineConfig:
     overlap: str = field(default="off", metadata={
         "doc": "on = the next step is scheduled and launched while the last one's tokens are streamed (a "
                "forward thread runs the steps, a decode's input token is resolved when its step starts); off"})
+    prefix_caching: str = field(default="auto", metadata={
+        "doc": "reuse the KV of prompt prefixes computed before (full pages, matched by their tokens): on; off; "
+               "auto = on for llm and prefill, off for decode (its KV comes whole from prefill)"})
     cuda_graphs: str = field(default="auto", metadata={
         "doc": "decode steps replayed as CUDA graphs captured at load, one per batch-size bucket (1, 2, 4, 8, "
                "then every 8 to max_running_requests; larger batches and prefill steps run eagerly): on; off; "
@@ -81,6 +84,11 @@ class EngineConfig:
             raise ValueError(f"dllm_mixed_batches must be on or off, got {self.dllm_mixed_batches!r}")
         if self.overlap not in ("on", "off"):
             raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
+        if self.prefix_caching not in ("auto", "on", "off"):
+            raise ValueError(f"prefix_caching must be auto, on or off, got {self.prefix_caching!r}")
+        if self.prefix_caching == "on" and self.role == "decode":
+            raise ValueError("prefix_caching on: the decode role does not reuse prefixes (its KV comes whole from "
+                             "prefill); use auto or off")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         parse_cores(self.cpu_cores)
@@ -177,6 +185,10 @@ class EngineConfig:
     @property
     def num_threads(self) -> int:
         return self.threads or len(self.cores)
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_caching == "on" or (self.prefix_caching == "auto" and self.role != "decode")
 
     @property
     def takes_turns(self) -> bool:

@@ -15,6 +15,8 @@ A step runs prefill work or decode work, never both (`Scheduler._schedule_dllm`)
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from backends.request import Request
@@ -32,6 +34,14 @@ def prefill_end(req: Request, block_size: int) -> int:
     """Positions the prefill phase puts in the cache: every block before the last one that
     precedes the block being denoised (that one goes with the block's first step)."""
     return max(0, req.block_start - block_size)
+
+
+def reusable_prefix(req: Request, block_size: int, page_size: int) -> tuple[int, int]:
+    """How much of a cached prefix a request may take: (tokens, pages per unit). Whole
+    blocks of its prefill phase that are whole pages too: under block-causal attention a
+    committed block's KV depends only on it and the blocks before it."""
+    unit = math.lcm(block_size, page_size)
+    return prefill_end(req, block_size) // unit * unit, unit // page_size
 
 
 def in_prefill(req: Request, block_size: int) -> bool:

@@ -87,19 +87,19 @@ class Engine:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
                      sink: Callable[[RequestOutput], None], request_id: str | None = None,
-                     room: int | None = None) -> Request:
+                     room: int | None = None, cache_salt: bytes | None = None) -> Request:
         check_request(self.runner.model.cfg, self.max_context, prompt_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room, cache_salt)
 
     def submit(self, req: Request) -> None:
         self.scheduler.submit(req)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  sink: Callable[[RequestOutput], None], request_id: str | None = None,
-                 room: int | None = None) -> str:
+                 room: int | None = None, cache_salt: bytes | None = None) -> str:
         """Queue a request; outputs go to `sink` from the engine thread. Returns its id."""
-        req = self.make_request(prompt_ids, params, sink, request_id, room)
+        req = self.make_request(prompt_ids, params, sink, request_id, room, cache_salt)
         self.submit(req)
         return req.id
 

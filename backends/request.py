@@ -69,6 +69,7 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0     # prompt tokens whose KV came from the prefix cache
 
 
 class Status(enum.Enum):
@@ -84,7 +85,7 @@ _arrival = itertools.count()
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  sink: Callable[[RequestOutput], None], detokenizer: IncrementalDetokenizer,
-                 room: int | None = None):
+                 room: int | None = None, cache_salt: bytes | None = None):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -101,6 +102,14 @@ class Request:
         self.block: list[int] | None = None
         self.block_start = 0
         self.pages: list[int] = []
+        # Prefix cache (backends.kv_cache): requests of different salts never share KV. Its
+        # first `cached_pages` pages are indexed (matched or cached), the last of them named
+        # `cache_parent`; `kv_epoch` counts preemptions (a step launched before one caches nothing).
+        self.cache_salt = cache_salt
+        self.cached_pages = 0
+        self.cache_parent: object = None
+        self.kv_epoch = 0
+        self.num_cached_tokens: int | None = None   # set at its first admission
         self.status = Status.WAITING
         self.arrival = next(_arrival)
         self.generator: torch.Generator | None = None   # made by the sampler, on its device, from params.seed

@@ -14,7 +14,7 @@ import torch
 from backends.config import EngineConfig
 from backends.cores import CoreTurns
 from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
-from backends.kv_cache import PagePool, allocate_kv_buffer
+from backends.kv_cache import KVManager, allocate_kv_buffer
 from backends.model import LayerHook, LlamaModel, load_model
 from backends.request import Request, SamplingParams
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
@@ -86,7 +86,7 @@ class ModelRunner:
         self.model = model or load_model(cfg.model_path, self.device, self.dtype)
         mc = self.model.cfg
         self.max_context = cfg.context_limit(mc.max_position)
-        self.pool = PagePool(self._num_pages(), cfg.page_size)
+        self.pool = KVManager(self._num_pages(), cfg.page_size)
         self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
                                      mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         if mc.is_dllm:  # block-causal attention: the torch backend's masks, no fused decoder
@@ -127,7 +127,7 @@ class ModelRunner:
             self.run(Batch([(req, 1)]))   # the decode kernels
             torch.cuda.synchronize(self.device)
         finally:
-            self.pool.free(req.pages)
+            self.pool.release(req.pages)
 
     def _graph_inputs(self, bucket: int):
         """A graph's capture: its pack of `bucket` padding decodes, and the forward over the

@@ -32,6 +32,7 @@ import torch
 
 from backends import dllm
 from backends.config import EngineConfig
+from backends.kv_cache import Fence
 from backends.request import Request, RequestOutput, Status
 from backends.role import ColocatedRole, Role
 from backends.runner import Batch, ModelRunner, StepInputs
@@ -49,6 +50,7 @@ class Step:
     number: int
     batch: Batch
     result: Future
+    epochs: list[int]   # each item's kv_epoch at the launch (a preemption since makes its pages others)
 
 
 # How often a loop that waits for the cores looks again (new requests and transfer events
@@ -73,6 +75,9 @@ class Scheduler:
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self.num_preemptions = 0
+        # Prefix cache: prompt tokens of admitted requests looked up, and found (vLLM's counters)
+        self.caching = cfg.caches_prefixes
+        self.prefix_queries = self.prefix_hits = 0
         # Called after each forward, before its outputs go to the sinks (and when the loop
         # idles): the Triton adapter waits there for the previous step's sends, so they overlap
         # this step's forward yet a stream's responses keep their order.
@@ -87,7 +92,6 @@ class Scheduler:
         self.steps_launched = 0
         self.forward_done = -1     # the last step whose forward has finished (forward thread)
         self.sampled: dict[int, list[int]] = {}   # step -> its tokens (forward thread only)
-        self.deferred: list[tuple[int, list[int]]] = []  # (step, pages) freed once that step's forward is done
         self.role.attach(self)
 
     # ---- called from other threads -------------------------------------------------
@@ -129,7 +133,15 @@ class Scheduler:
 
     def free_pages(self, req: Request, pages: list[int]) -> None:
         """Pages the role kept of `req` go back (after the last forward that reads them)."""
-        self._free_after(req.last_step, pages)
+        self.pool.release(pages, self.after_step(req.last_step))
+
+    def after_step(self, step: int) -> Fence | None:
+        """The fence "step's forward is done" (None: it is)."""
+        return None if step <= self.forward_done else (lambda: self.forward_done >= step)
+
+    def check_kv(self) -> None:
+        """The KV manager's integrity check, the holders being the live requests."""
+        self.pool.check_integrity([req.pages for req in self.requests.values()])
 
     def scheduled(self) -> list[Request]:
         """Requests running or waiting for a step, in that order (read only)."""
@@ -183,13 +195,14 @@ class Scheduler:
         forward thread (on). Progress counts from the launch, so the next schedule sees it."""
         number, self.steps_launched = self.steps_launched, self.steps_launched + 1
         hook = self.role.layer_hook(batch)
+        epochs = [req.kv_epoch for req, _ in batch.items]
         banned = [] if self.dllm_block else [self._banned(req) for req in batch.samples]
         try:
             inputs = self.runner.prepare(batch)
         except Exception as exc:
             result = Future()
             result.set_exception(exc)
-            return Step(number, batch, result)
+            return Step(number, batch, result, epochs)
         for row, req in enumerate(batch.samples if not self.dllm_block else []):  # a block has no futures
             req.futures.append((number, row))
         for req, n in batch.items:
@@ -197,13 +210,13 @@ class Scheduler:
             req.last_step = number
         args = (number, batch, inputs, hook, banned)
         if self._forward_thread is not None:
-            return Step(number, batch, self._forward_thread.submit(self._forward, *args))
+            return Step(number, batch, self._forward_thread.submit(self._forward, *args), epochs)
         result = Future()
         try:
             result.set_result(self._forward(*args))
         except Exception as exc:
             result.set_exception(exc)
-        return Step(number, batch, result)
+        return Step(number, batch, result, epochs)
 
     def _forward(self, number: int, batch: Batch, inputs: StepInputs, hook, banned: list[list[int]]):
         """Resolve the futures, run the forward, sample (the forward thread when overlap is on)."""
@@ -247,6 +260,7 @@ class Scheduler:
             for req, _ in step.batch.items:
                 self.finish(req, "error", error=f"internal error: {exc}")
             return
+        self._cache_written(step)
         self._free_deferred()
         if self.before_process is not None:
             self.before_process()
@@ -290,8 +304,10 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
+            self._match(req, len(req.prompt_ids) + len(req.output_ids) - 1)
             n = min(req.num_pending, budget, self.cfg.chunk_size)
             if not self._grow(req, n, preempt=False):
+                self._unmatch(req)
                 break
             items.append((self._admit(), n))
             budget -= n
@@ -302,7 +318,48 @@ class Scheduler:
         req = self.waiting.popleft()
         req.status = Status.RUNNING
         self.running.append(req)
+        if req.num_cached_tokens is None:  # its first admission (a preempted request was counted)
+            req.num_cached_tokens = req.num_computed
+            if self.caching:
+                self.prefix_queries += len(req.prompt_ids)
+                self.prefix_hits += req.num_computed
         return req
+
+    # ---- the prefix cache ------------------------------------------------------------
+    def _match(self, req: Request, limit: int, multiple: int = 1) -> None:
+        """Before its admission: the longest cached run of full pages (a multiple of
+        `multiple`) of its first `limit` tokens (never all of its tokens: the last one is
+        computed, so there are logits to sample from) becomes its first pages; it computes
+        from there."""
+        if req.pages:
+            return
+        pages = max(0, limit) // self.pool.page_size if self.caching else 0
+        found = self.pool.match(req.token_slice(0, pages * self.pool.page_size), req.cache_salt, pages, multiple)
+        req.pages, req.num_computed = found.pages, found.num_tokens
+        req.cached_pages, req.cache_parent = len(found.pages), found.parent
+
+    def _unmatch(self, req: Request) -> None:
+        """Not admitted after all: it holds nothing while it waits."""
+        self.pool.release(req.pages)
+        req.pages, req.num_computed, req.cached_pages = [], 0, 0
+
+    def _cache_written(self, step: Step) -> None:
+        """Full pages whose KV this step's forward completed enter the cache (the forward is
+        done: never while it is in flight). A diffusion block's positions count once final."""
+        if not self.caching:
+            return
+        size = self.pool.page_size
+        for (req, n), start, epoch in zip(step.batch.items, step.batch.starts, step.epochs):
+            if req.status is Status.FINISHED or req.kv_epoch != epoch:
+                continue  # its pages went back, or it was preempted after the launch
+            end = start + n if req.block is None else min(start + n, req.block_start)
+            while req.cached_pages < min(end // size, len(req.pages)):
+                i = req.cached_pages
+                tokens = req.token_slice(i * size, (i + 1) * size)
+                if any(isinstance(t, tuple) for t in tokens):
+                    break  # a token still being sampled (cannot be: its step ended before this one)
+                req.cache_parent = self.pool.cache(req.pages[i], req.cache_parent, tokens)
+                req.cached_pages += 1
 
     def _schedule_dllm(self) -> Batch | None:
         """Block diffusion: denoising work and prefill work (whole prompt blocks) never share a
@@ -335,7 +392,9 @@ class Scheduler:
             req = self.waiting[0]
             if req.block is None:
                 dllm.start(req, block, self.mask_id)
+            self._match(req, *dllm.reusable_prefix(req, block, self.pool.page_size))
             if not wanted(req) or not 0 < (n := size(req)) <= budget or not self._grow(req, n, preempt=False):
+                self._unmatch(req)
                 break
             items.append((self._admit(), n))
             budget -= n
@@ -358,7 +417,7 @@ class Scheduler:
     def _grow(self, req: Request, n: int, preempt: bool) -> bool:
         """Give req pages for n more tokens; preempt the latest running requests if needed."""
         need = self.pool.pages_for(req.num_computed + n) - len(req.pages)
-        while need > self.pool.num_free:
+        while need > self.pool.num_available:
             if not preempt:
                 return False
             victim = self.running[-1]
@@ -377,16 +436,13 @@ class Scheduler:
         if self.in_flight is not None and req.last_step > self.forward_done:
             self.in_flight.result.exception()  # its pages are still read: let that forward end
         self.role.on_preempt(req)
-        self.pool.free(req.pages)
+        self.pool.release(req.pages)
         req.pages, req.num_computed, req.status = [], 0, Status.WAITING
+        req.cached_pages, req.kv_epoch = 0, req.kv_epoch + 1
         self.waiting.appendleft(req)
 
     def _free_deferred(self) -> None:
-        if self.deferred:
-            done = [entry for entry in self.deferred if entry[0] <= self.forward_done]
-            for entry in done:
-                self.deferred.remove(entry)
-                self.pool.free(entry[1])
+        self.pool.collect()
 
     # ---- results -------------------------------------------------------------------
     def process(self, step: Step, tokens: list[int], logprobs: list[float] | None, errors: dict) -> None:
@@ -477,7 +533,8 @@ class Scheduler:
         req.emitted_ids = len(req.output_ids)
         req.sink(RequestOutput(
             request_id=req.id, text=text, token_ids=ids, finished=final, finish_reason=reason,
-            error=error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids)))
+            error=error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
+            num_cached_tokens=req.num_cached_tokens or 0))
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End a request for any reason: free everything it holds, send its last output."""
@@ -490,7 +547,7 @@ class Scheduler:
         if reason in ("abort", "error"):
             self.role.on_abort(req)
         if req.pages:
-            self._free_after(req.last_step, req.pages)
+            self.pool.release(req.pages, self.after_step(req.last_step))
             req.pages = []
         req.status = Status.FINISHED
         self.requests.pop(req.id, None)
@@ -499,16 +556,10 @@ class Scheduler:
         except Exception:  # a sink that fails (client gone) must not stop the loop
             log.warning("could not deliver the end of %s: %s", req.id, traceback.format_exc())
 
-    def _free_after(self, step: int, pages: list[int]) -> None:
-        """Pages go back once the last forward that reads them is done (a role may hand them
-        to KV writes from another engine, which no stream order protects)."""
-        if step > self.forward_done:
-            self.deferred.append((step, pages))
-        else:
-            self.pool.free(pages)
-
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_pages_free": self.pool.num_free, "kv_pages_total": self.pool.num_pages,
+                "kv_pages_cached": self.pool.num_cached, "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits,
                 "preemptions": self.num_preemptions, **self.role.stats(),
                 **(self.dp.stats() if self.dp is not None else {})}

@@ -97,7 +97,7 @@ def first_logits(eng, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         hidden = eng.runner.run(Batch([(req, len(ids))]))
         logits = eng.runner.model.logits(hidden)[0].float().cpu()
-    eng.runner.pool.free(req.pages)
+    eng.runner.pool.release(req.pages)
     return logits
 
 

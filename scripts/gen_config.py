@@ -70,6 +70,7 @@ def engine_parameters(role: str) -> dict[str, str]:
         if f.name == "role":
             continue
         params[f.name] = "" if f.name == "model_path" else str(f.default)
+    params["prefix_caching"] = "off" if role == "decode" else "on"   # what auto means for the role, spelled out
     if role != "colocated":
         for f in dataclasses.fields(DisaggConfig):
             params[f.name] = str(f.default)

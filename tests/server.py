@@ -126,11 +126,13 @@ class TritonServer:
         return out
 
     def kv_pages(self, model: str) -> tuple[float, float]:
+        """(pages no request holds: free or cached, pages in the pool)."""
         m = self.metrics()
-        return m[f'tandem_kv_pages_free{{model="{model}"}}'], m[f'tandem_kv_pages_total{{model="{model}"}}']
+        idle = m[f'tandem_kv_pages_free{{model="{model}"}}'] + m.get(f'tandem_kv_pages_cached{{model="{model}"}}', 0)
+        return idle, m[f'tandem_kv_pages_total{{model="{model}"}}']
 
     def wait_kv_full(self, model: str, timeout_s: float = 10) -> bool:
-        """True once every KV page of the model is free again."""
+        """True once no request holds a KV page of the model (each is free or cached)."""
         return self._wait_kv(model, lambda free, total: free == total, timeout_s)
 
     def wait_kv_used(self, model: str, timeout_s: float = 5) -> bool:

@@ -68,7 +68,7 @@ def mixed_batch(runner) -> Batch:
 
 def free(runner, batch: Batch) -> None:
     for req, _ in batch.items:
-        runner.pool.free(req.pages)
+        runner.pool.release(req.pages)
 
 
 def test_a_cuda_step_is_one_copy_and_runs_as_the_plain_tensors_do(runner, monkeypatch):
@@ -107,7 +107,7 @@ def test_a_token_known_only_when_the_step_starts_reaches_its_ids(runner, packed)
         assert step.tensors["ids"].tolist() == [42]
     finally:
         runner.packed = False
-        runner.pool.free(req.pages)
+        runner.pool.release(req.pages)
 
 
 # ---- CUDA graphs: buckets, padding, the path itself ---------------------------------------
@@ -189,7 +189,7 @@ def test_padding_decodes_write_no_kv(runner):
     runner.graphs.capture(runner._graph_inputs)
     taken = runner.pool.allocate(runner.pool.num_free)
     held = [p for p in taken if p == 0]  # page 0, where padding decodes point, is no request's here
-    runner.pool.free([p for p in taken if p != 0])
+    runner.pool.release([p for p in taken if p != 0])
     (first, _), (second, _) = items = [(request(runner, 9, 8), 1), (request(runner, 6, 5), 1)]
     try:
         runner.kv.fill_(123.0)  # the capture's padding forward ran too: rewrite what it may have written
@@ -200,7 +200,7 @@ def test_padding_decodes_write_no_kv(runner):
     finally:
         runner.graphs = None
         free(runner, Batch(items))
-        runner.pool.free(held)
+        runner.pool.release(held)
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])

@@ -14,7 +14,7 @@ from backends.disagg.pipeline import layer_group_size, layer_groups
 from backends.engine import Engine
 from backends.request import SamplingParams
 from backends.disagg.local import Pair, drain
-from tests.engine_utils import collect, small_engine, token_ids
+from tests.engine_utils import collect, idle_pages, small_engine, token_ids
 from tests.server import free_port
 from tests.test_model_parity import prompts
 
@@ -83,7 +83,7 @@ def test_a_cuda_prefill_records_an_event_per_layer_group_and_never_waits_for_the
     import torch
 
     from backends.disagg.prefill import PrefillRole
-    from backends.kv_cache import PagePool
+    from backends.kv_cache import KVManager
     from backends.request import Request
     from backends.runner import Batch
     made = []
@@ -92,7 +92,7 @@ def test_a_cuda_prefill_records_an_event_per_layer_group_and_never_waits_for_the
     def stream():
         raise AssertionError("the forward waited for the whole stream")
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
-    role, pool, writes = PrefillRole(DisaggConfig(pipeline_group_size=2)), PagePool(16, 4), []
+    role, pool, writes = PrefillRole(DisaggConfig(pipeline_group_size=2)), KVManager(16, 4), []
     model = SimpleNamespace(cfg=SimpleNamespace(num_layers=6))
     role.scheduler = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda"), model=model), pool=pool)
     role.worker = SimpleNamespace(trace=None, write=lambda *args: writes.append(args))
@@ -292,23 +292,23 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
     try:
         role, pool = pair.prefill.scheduler.role, pair.prefill.scheduler.pool
         events, posted, freed_early = [], set(), []
-        write, free, preempt = role.worker.write, pool.free, role.on_preempt
+        write, idle, preempt = role.worker.write, pool._idle, role.on_preempt
 
         def record_write(room, peer, layers, local, remote, ready=None):
             events.append(("write", room, tuple(remote)))
             posted.update(local)
             write(room, peer, layers, local, remote, ready)
 
-        def record_free(pages):
-            if not gate.is_set():  # every write posted so far is still in flight
-                freed_early.extend(set(pages) & posted)
-            free(pages)
+        def record_idle(page):  # its last reference went: free or cached, another request may take it
+            if not gate.is_set() and page in posted:  # every write posted so far is still in flight
+                freed_early.append(page)
+            idle(page)
 
         def record_preempt(req):
             events.append(("preempt", req.room, ()))
             preempt(req)
         monkeypatch.setattr(role.worker, "write", record_write)
-        monkeypatch.setattr(pool, "free", record_free)
+        monkeypatch.setattr(pool, "_idle", record_idle)
         monkeypatch.setattr(role, "on_preempt", record_preempt)
 
         batch = [prompts(4)[3], prompts(2)[1]]
@@ -468,7 +468,7 @@ def test_prefill_unreachable(checkpoint):
         engine.generate(prompts(1)[0], PARAMS, q.put, request_id="room-1", room=1)
         out = drain(q, 15)
         assert "unreachable" in out[-1].error
-        assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]
+        assert idle_pages(engine.stats()) == engine.stats()["kv_pages_total"]
     finally:
         engine.stop()
 

@@ -48,7 +48,7 @@ def run_prompt(runner, ids):
     try:
         return runner.run(Batch([(req, len(ids))]))
     finally:
-        runner.pool.free(req.pages)
+        runner.pool.release(req.pages)
 
 
 def make_runner(path):
@@ -108,7 +108,7 @@ def loop_rank_main(rank: int, path: str, plan: tuple, out_dir: str) -> None:
     for _ in range(max(p or 0 for p in plan) + 2):  # not started: both ranks turn the loop in step
         eng.scheduler.step(wait_s=0)
     ids = [t for o in outs for t in o.token_ids]
-    torch.save({"ids": ids, "modes": list(eng.scheduler.dp.modes), "free": eng.stats()["kv_pages_free"]},
+    torch.save({"ids": ids, "modes": list(eng.scheduler.dp.modes), "free": eng.stats()["kv_pages_free"] + eng.stats()["kv_pages_cached"]},
                os.path.join(out_dir, f"loop{rank}.pt"))
 
 
@@ -161,7 +161,7 @@ def fresh_stats(group) -> list[dict]:
 
 
 def pools_whole(group) -> bool:
-    return wait_until(lambda: all(s["kv_pages_free"] == s["kv_pages_total"] for s in fresh_stats(group)), 10)
+    return wait_until(lambda: all(s["kv_pages_free"] + s["kv_pages_cached"] == s["kv_pages_total"] for s in fresh_stats(group)), 10)
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from backends.request import SamplingParams
-from tests.engine_utils import assert_pool_whole, collect, small_engine, token_ids
+from tests.engine_utils import assert_pool_whole, collect, idle_pages, small_engine, token_ids
 from tests.test_model_parity import prompts
 
 
@@ -74,12 +74,12 @@ def test_a_cancel_while_a_step_is_in_flight(checkpoint, monkeypatch):
         eng.abort(rid)
         eng.scheduler._take_inbox()
         assert outs[-1].finished and outs[-1].finish_reason == "abort"
-        assert eng.stats()["kv_pages_free"] < eng.stats()["kv_pages_total"], "pages freed under a running forward"
+        assert idle_pages(eng.stats()) < eng.stats()["kv_pages_total"], "pages freed under a running forward"
         gate.set()
         assert eng.scheduler.step()  # completes step 1: its token is dropped, the pages come back
         assert len(outs) == 2 and eng.scheduler.in_flight is None
         eng.runner.pool.check_integrity()
-        assert eng.stats()["kv_pages_free"] == eng.stats()["kv_pages_total"]
+        assert idle_pages(eng.stats()) == eng.stats()["kv_pages_total"]
     finally:
         gate.set()
         eng.stop()
@@ -91,7 +91,7 @@ def test_pages_go_back_only_after_the_forward_that_reads_them(engines, monkeypat
     off, on = engines
     scheduler, pool = on.scheduler, on.runner.pool
     held: dict[int, set[int]] = {}
-    launch, free, early = scheduler._launch, pool.free, []
+    launch, idle, early = scheduler._launch, pool._idle, []
 
     def record_launch(batch):
         pages = {page for req, _ in batch.items for page in req.pages}
@@ -99,12 +99,13 @@ def test_pages_go_back_only_after_the_forward_that_reads_them(engines, monkeypat
         held[step.number] = pages
         return step
 
-    def record_free(pages):
+    def record_idle(page):  # its last reference went: free or cached, another request may take it
         running = [n for n in held if n > scheduler.forward_done]
-        early.extend(p for p in pages if any(p in held[n] for n in running))
-        free(pages)
+        if any(page in held[n] for n in running):
+            early.append(page)
+        idle(page)
     monkeypatch.setattr(scheduler, "_launch", record_launch)
-    monkeypatch.setattr(pool, "free", record_free)
+    monkeypatch.setattr(pool, "_idle", record_idle)
     batch = prompts(6)
     ends = [SamplingParams(max_tokens=24, end_id=token_ids(collect(off, [p], SamplingParams(max_tokens=8))[0])[3])
             for p in batch]

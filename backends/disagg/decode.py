@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 import uuid
 
@@ -42,7 +43,8 @@ class DecodeRole:
         self.prealloc: list[Request] = []
         self.landed: collections.deque = collections.deque()  # (request, first token, logprob): KV here, no room yet
         self.transfer: dict[int, Request] = {}            # room -> request whose KV is on its way
-        self.quarantine: dict[int, tuple[list[int], int, float]] = {}  # room -> (pages, slot, since)
+        # room -> (set once prefill writes no more, pages, slot, since): its pages wait for it
+        self.quarantine: dict[int, tuple[threading.Event, int, int | None, float]] = {}
         self.announced: set[int] = set()   # prealloc rooms the prefill side was told are queued
         self.last_ping = 0.0
         self.num_failed = 0
@@ -102,8 +104,10 @@ class DecodeRole:
         self.announced.discard(req.room)
 
     def _hold(self, req: Request) -> None:
-        """Prefill may still write into these pages: keep them until it says released."""
-        self.quarantine[req.room] = (req.pages, req.meta_slot, time.monotonic())
+        """Prefill may still write into these pages: they go back once it says released."""
+        released = threading.Event()
+        self.pool.release(req.pages, released.is_set)
+        self.quarantine[req.room] = (released, len(req.pages), req.meta_slot, time.monotonic())
         req.pages, req.meta_slot = [], None
 
     # ---- prealloc ------------------------------------------------------------------
@@ -119,7 +123,7 @@ class DecodeRole:
                 self.prealloc.pop(0)
                 self._fail(req, f"the prompt needs {now} KV pages, the decode engine has {self.pool.num_pages}")
                 continue
-            if self.pool.num_free - self._reserved() < now + later:
+            if self.pool.num_available - self._reserved() < now + later:
                 break  # the head waits for KV; requests keep their order
             slot = self.slots.take()
             if slot is None:
@@ -226,8 +230,9 @@ class DecodeRole:
             self._fail(req, message)
 
     def _unquarantine(self, room: int) -> None:
-        pages, slot, _ = self.quarantine.pop(room)
-        self.pool.free(pages)
+        released, _, slot, _ = self.quarantine.pop(room)
+        released.set()
+        self.pool.collect()
         if slot is not None:
             self.slots.give(slot)
 
@@ -238,7 +243,7 @@ class DecodeRole:
             self._hold(req)
             self._send("abort", req.room)
             self._fail(req, f"KV transfer not done within {limit:g}s")
-        for room, (_, _, since) in list(self.quarantine.items()):
+        for room, (_, _, _, since) in list(self.quarantine.items()):
             if now - since > limit:  # the prefill side never answered: it is gone or stuck
                 self._unquarantine(room)
 
@@ -251,5 +256,5 @@ class DecodeRole:
 
     def stats(self) -> dict:
         return {"prealloc": len(self.prealloc), "transferring": len(self.transfer), "landed": len(self.landed),
-                "quarantined_pages": sum(len(p) for p, _, _ in self.quarantine.values()),
+                "quarantined_pages": sum(n for _, n, _, _ in self.quarantine.values()),
                 "transfer_failures": self.num_failed}

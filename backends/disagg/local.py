@@ -47,7 +47,15 @@ class Pair:
         return [(drain(d, timeout_s), drain(p, timeout_s)) for _, d, p in handles]
 
     def kv_whole(self) -> bool:
-        return all(e.stats()["kv_pages_free"] == e.stats()["kv_pages_total"] for e in (self.prefill, self.decode))
+        """No request holds a page on either engine (each is free or cached), and both KV
+        managers' integrity checks pass."""
+        if not all(e.stats()["kv_pages_free"] + e.stats()["kv_pages_cached"] == e.stats()["kv_pages_total"]
+                   for e in (self.prefill, self.decode)):
+            return False
+        for e in (self.prefill, self.decode):
+            if hasattr(e, "runner"):   # a DP group's pages live in its rank processes (their gauges count)
+                e.runner.pool.check_integrity()
+        return True
 
     def wait_kv_whole(self, timeout_s: float = 10) -> bool:
         import time

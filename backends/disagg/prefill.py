@@ -65,7 +65,7 @@ class PrefillRole:
         self.dests: dict[int, tuple[str, dict, float]] = {}  # room -> (decode peer, dest msg, arrival)
         self.shipping: dict[int, Request] = {}          # room -> request whose KV is on its way
         self.sent_pages: dict[int, int] = {}            # room -> pages already queued for writing
-        self.draining: list[tuple[threading.Event, list[int]]] = []  # preempted pages writes still read
+        self.holding: dict[int, threading.Event] = {}   # room -> set once no write reads its pages
         self.decode_queued: set[int] = set()            # rooms decode holds in its queue until KV is free
         # Rooms decode gave up before their request reached this engine; it is dropped on arrival.
         self.aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -114,9 +114,6 @@ class PrefillRole:
                 log.exception("handling %s failed", event[0])
         for room in [r for r in self.bootstrap if r in self.dests]:
             self._on_dest(self.bootstrap.pop(room))
-        for drained, pages in [d for d in self.draining if d[0].is_set()]:
-            self.draining.remove((drained, pages))
-            self.scheduler.pool.free(pages)
         self._expire()
 
     def on_sampled(self, req: Request) -> bool:
@@ -138,7 +135,7 @@ class PrefillRole:
         drained = self.worker.drain(req.room)
         if not drained.wait(PREEMPT_DRAIN_S):
             log.warning("room %d preempted with KV writes in flight: its pages wait for them", req.room)
-            self.draining.append((drained, req.pages))
+            self.scheduler.pool.release(req.pages, drained.is_set)
             req.pages = []
 
     def on_abort(self, req: Request) -> None:
@@ -147,9 +144,13 @@ class PrefillRole:
         dest = self.dests.pop(req.room, None)
         if dest is None:
             return  # decode never gave a destination: nothing was written
-        # writes may still read these pages: keep them until the worker says released
+        # writes may still read these pages: they go back once the worker says released
+        # (and the last forward that reads them is done)
         self.shipping[req.room] = req
-        req.held_pages, req.pages = req.pages, []
+        released = self.holding[req.room] = threading.Event()
+        after_forward = self.scheduler.after_step(req.last_step) or (lambda: True)
+        self.scheduler.pool.release(req.pages, lambda: released.is_set() and after_forward())
+        req.pages = []
         self._give_up(dest[0], req.room, "the prefill engine aborted the request")
 
     def layer_hook(self, batch: Batch):
@@ -286,13 +287,12 @@ class PrefillRole:
         return next((r for r in self.scheduler.scheduled() if r.room == room), None)
 
     def _release(self, req: Request) -> None:
-        if getattr(req, "meta_slot", None) is not None:
+        if req.meta_slot is not None:
             self.slots.give(req.meta_slot)
             req.meta_slot = None
-        held = getattr(req, "held_pages", None)
-        if held:
-            self.scheduler.free_pages(req, held)
-            req.held_pages = []
+        released = self.holding.pop(req.room, None)
+        if released is not None:
+            released.set()
 
     def _expire(self) -> None:
         now, limit = time.monotonic(), self.cfg.transfer_timeout_s
