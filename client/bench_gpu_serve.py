@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,13 @@ def write_repository(path: str, settings: dict[str, str]) -> str:
     return repo
 
 
-def start_server(server_dir: str, repo: str, log_path: str, stub_path: str = "", port: int = 8000) -> subprocess.Popen:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port: int) -> subprocess.Popen:
     """tritonserver from the trimmed wheel tree, with the environment its Python stub needs
     (stub_path first on the stub's path: a numpy < 2, which the 2.51 stub reads BYTES with)."""
     stub_dir = os.path.join(server_dir, "backends", "python")
@@ -56,8 +63,8 @@ def start_server(server_dir: str, repo: str, log_path: str, stub_path: str = "",
                LD_LIBRARY_PATH=":".join([sysconfig.get_config_var("LIBDIR"), libs, stub_dir,
                                          os.environ.get("LD_LIBRARY_PATH", "")]))
     cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
-           "--model-repository", repo, "--http-port", str(port), "--grpc-port", str(port + 1),
-           "--metrics-port", str(port + 2)]
+           "--model-repository", repo, "--http-port", str(port), "--grpc-port", str(free_port()),
+           "--metrics-port", str(free_port())]
     return subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
@@ -125,12 +132,12 @@ def run_level(port: int, prompts: list[list[int]], output_tokens: int) -> dict:
 
 
 def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], levels: dict, output_tokens: int,
-                 out: str, stub_path: str = "", port: int = 8000) -> dict:
+                 out: str, stub_path: str = "") -> dict:
     """{"STREAMSxPROMPT": figures} through tritonserver (levels: {(streams, prompt): prompts}),
     or {"error": ...} with the server log's tail."""
     log_path = os.path.join(out, "tritonserver.log")
     repo = write_repository(os.path.dirname(checkpoint), {"model_path": checkpoint, **settings})
-    server = None
+    server, port = None, free_port()
     try:
         server = start_server(server_dir, repo, log_path, stub_path, port)
         t0 = time.perf_counter()

@@ -1,0 +1,45 @@
+"""make gpu-bench's CPU smoke run (the tiny shape; figures mean nothing here) and its arithmetic:
+the run writes every part of the report, the output tokens it counts are the ones asked
+for, the `llm` model it serves through the real tritonserver streams them too, and the
+roofline's weight bytes equal the parameters transformers builds for the shape."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from client import bench_gpu
+from tests.server import ROOT
+
+
+def test_weight_bytes_per_step_equal_the_parameters_read():
+    """Every parameter but the embedding table (a step reads B of its rows) is read once a step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = bench_gpu.hf_config("tiny", 64)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    params = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    weights, kv = bench_gpu.bytes_per_step(config, torch.bfloat16, contexts=10)
+    assert weights == 2 * params
+    assert kv == 10 * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+
+
+@pytest.mark.server
+def test_cpu_smoke_run_writes_the_report_and_serves(tmp_path):
+    server = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "lib",
+                          f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "pytriton",
+                          "tritonserver")
+    proc = subprocess.run([sys.executable, "-m", "client.bench_gpu", "--out", str(tmp_path), "--no-peer",
+                           "--levels", "1:16,16:24", "--output-tokens", "6", "--variants", "torch-ops",
+                           "--serve", server], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert [(r["streams"], r["prompt_tokens"]) for r in report["engine"]] == [(1, 16), (16, 24)]
+    for row in report["engine"] + report["variants"]["torch-ops"]:
+        assert row["tokens"] == row["streams"] * 6 and row["tok_s"] > 0 and row["roofline_ms"] > 0
+    assert "error" not in report["served"], report["served"]
+    assert report["served"]["16x24"]["tokens"] == 16 * 6
+    assert report["engine"][1]["served_over_engine"] > 0
+    assert report["hardware"]["copy_bytes_s"] > 0 and "| 16 x 24 |" in proc.stdout
