@@ -64,7 +64,10 @@ def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port
                                          os.environ.get("LD_LIBRARY_PATH", "")]))
     cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
            "--model-repository", repo, "--http-port", str(port), "--grpc-port", str(free_port()),
-           "--metrics-port", str(free_port())]
+           "--metrics-port", str(free_port()),
+           # Inputs in plain host memory: on the GPU box the stub read a BYTES input without its
+           # length prefix (docs/gpu.md); the pinned pool is the one difference seen from a CPU box.
+           "--pinned-memory-pool-byte-size", "0"]
     return subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
