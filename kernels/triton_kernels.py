@@ -1,8 +1,8 @@
 """Triton-language kernels for paged attention (KV store, decode, extend).
 
-This is the only module that imports triton. Set TRITON_INTERPRET=1 *before*
-importing it to run the kernels on CPU tensors (triton decides at decoration
-time whether a kernel is compiled or interpreted).
+Set TRITON_INTERPRET=1 *before* importing it (or kernels.triton_ops, the layer ops) to
+run the kernels on CPU tensors (triton decides at decoration time whether a kernel is
+compiled or interpreted).
 
 Shapes (as in kernels.base): q [T, Hq, D]; k, v [T, Hkv, D]; one layer's
 k_cache / v_cache [P, S, Hkv, D]. The last dimension of every tensor must be
