@@ -29,9 +29,12 @@ def fast_decoder(tokenizer):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True, include_stop: bool = False):
         self.tokenizer = tokenizer
         self._backend_decode = fast_decoder(tokenizer)
+        self.skip_special = skip_special_tokens
+        self.include_stop = include_stop   # a stop string stays in the text (vLLM's include_stop_str_in_output)
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -41,10 +44,15 @@ class IncrementalDetokenizer:
         self.sent = 0       # characters of self.text already returned
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int], skip_special: bool | None = None) -> str:
+        skip = self.skip_special if skip_special is None else skip_special
         if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=True)
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self._backend_decode(ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens kept: vLLM's `decoded_token` of a logprob."""
+        return self._decode([token_id], skip_special=False)
 
     def add(self, token_id: int) -> None:
         """Account for one new token; sets `stopped` when a stop string appears."""
@@ -62,7 +70,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             idx = self.text.find(s, max(0, start - len(s) + 1))
             if idx != -1:
-                self.text = self.text[:idx]
+                self.text = self.text[:idx + len(s) if self.include_stop else idx]
                 self.stopped = True
 
     def flush(self) -> None:

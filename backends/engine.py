@@ -58,6 +58,11 @@ def check_request(mc: ModelConfig, max_context: int, prompt_ids: list[int], para
     if mc.is_dllm and params.temperature > 0:
         raise InvalidRequest(f"temperature {params.temperature:g}: serving a block-diffusion model is greedy "
                              "(temperature 0)")
+    if mc.is_dllm and (used := [name for name, on in (("penalties", params.penalised), ("min_p", params.min_p > 0),
+                                                         ("logprobs", params.logprobs is not None)) if on]):
+        raise InvalidRequest(f"{', '.join(used)}: not supported for a block-diffusion model")
+    if bad := [t for t in params.stop_token_ids if t >= mc.vocab_size]:
+        raise InvalidRequest(f"stop_token_ids {bad} are not token ids of this model (vocabulary of {mc.vocab_size})")
     if params.end_id is not None and params.end_id >= mc.vocab_size:
         raise InvalidRequest(f"end_id {params.end_id} is not a token id of this model "
                              f"(vocabulary of {mc.vocab_size})")
@@ -89,7 +94,8 @@ class Engine:
                      sink: Callable[[RequestOutput], None], request_id: str | None = None,
                      room: int | None = None, cache_salt: bytes | None = None) -> Request:
         check_request(self.runner.model.cfg, self.max_context, prompt_ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                                       params.include_stop_str_in_output)
         return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room, cache_salt)
 
     def submit(self, req: Request) -> None:

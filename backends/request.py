@@ -23,6 +23,14 @@ class InvalidRequest(ValueError):
     """Bad input from a client: reported to that client only."""
 
 
+MAX_LOGPROBS = 20   # vLLM's default max_logprobs
+# name -> (whether a value is in range, what the message says); the bounds are vLLM's
+FLOAT_RANGES = {"repetition_penalty": (lambda v: v > 0, "> 0"),
+                "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+                "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+                "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]")}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -34,11 +42,28 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     end_id: int | None = None  # overrides the model's EOS ids when set
     ignore_eos: bool = False
+    # Penalties and min_p as vLLM defines them: repetition over prompt and output (positive
+    # logits divided, negative multiplied), frequency x count + presence over output tokens.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()   # stop ids besides the model's EOS (ignore_eos keeps these)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None   # None: none; 0: each new token's own; N: and the top N
 
     def __post_init__(self):
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", *FLOAT_RANGES):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name, (valid, text) in FLOAT_RANGES.items():
+            if not valid(getattr(self, name)):
+                raise ValueError(f"{name} must be {text}, got {getattr(self, name)}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {list(self.stop_token_ids)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2 ** 64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.end_id is not None and self.end_id < 0:
@@ -58,6 +83,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability: log-softmax of the model's logits before penalties,
+    temperature and filters (vLLM's default, raw_logprobs); its rank in the vocabulary (1 =
+    most likely; ties count as ahead) and the top N (id, logprob), most likely first."""
+
+    logprob: float
+    rank: int = 0
+    top: tuple[tuple[int, float], ...] = ()
+
+    def as_vllm(self, token: int, text_of: Callable[[int], str]) -> dict[int, tuple[float, int, str]]:
+        """vLLM's Logprob dict of a position: the sampled token first, then the top N (ranks 1..N)."""
+        out = {token: (self.logprob, self.rank, text_of(token))}
+        for rank, (tid, logprob) in enumerate(self.top, 1):
+            out[tid] = (logprob, rank, out[tid][2] if tid in out else text_of(tid))
+        return out
+
 
 @dataclass
 class RequestOutput:
@@ -70,6 +117,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0     # prompt tokens whose KV came from the prefix cache
+    # Where the request asked for logprobs: one entry per new token, as vLLM's Logprob dicts
+    # ({token id: (logprob, rank, decoded token)}, the sampled token's included).
+    logprobs: list[dict[int, tuple[float, int, str]]] | None = None
 
 
 class Status(enum.Enum):
@@ -114,7 +164,10 @@ class Request:
         self.arrival = next(_arrival)
         self.generator: torch.Generator | None = None   # made by the sampler, on its device, from params.seed
         self.emitted_ids = 0   # output tokens already sent to the sink
-        self.last_logprob: float | None = None   # computed only where a hand-off carries it
+        self.last_logprob: TokenLogprob | None = None   # where a hand-off carries it or the request asks
+        # Where the request asks for logprobs (params.logprobs): one per output token, as RequestOutput's
+        self.output_logprobs: list[dict[int, tuple[float, int, str]]] = []
+        self.history = None   # made by the sampler where penalties read it (backends.sampler.History)
         # disaggregated hand-off: the bootstrap room pairs the prefill and decode halves
         self.room = room
         self.meta_slot: int | None = None

@@ -1,58 +1,79 @@
-"""Token choice for a batch of rows of the lm_head's input: greedy rows that need no logits
-through the model's exact greedy head where it has one (kernels.greedy_head), the rest from
-full logits: greedy rows in one argmax, sampled rows (temperature, top-k, top-p,
-per-request seed) together, on the logits' device. A sampled row that fails (its
-probabilities are not a distribution) costs only that row: `RowsFailed` carries every
-other row's token."""
+"""Token choice for a batch of rows of the lm_head's input, in vLLM's order:
+
+    raw logprobs (rows that ask) -> banned ids (min_tokens) -> penalties (repetition,
+    frequency, presence) -> greedy argmax, or temperature -> min_p -> top-k/top-p -> draw
+
+Greedy rows that need no logits (no penalty, no logprobs) go through the model's exact greedy
+head where it has one (kernels.greedy_head); the rest from full logits, on the logits' device,
+each stage only over the rows that use it. A sampled row that fails (its probabilities are
+not a distribution) costs only that row: `RowsFailed` carries every other row's token."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from backends.request import Request
+from backends.request import Request, TokenLogprob
 
 
 class RowsFailed(RuntimeError):
     """Some rows could not be sampled; `tokens` holds the others' (each generator advanced once)."""
 
-    def __init__(self, tokens: list[int], logprobs: list[float] | None, errors: dict[int, str]):
+    def __init__(self, tokens: list[int], logprobs: list | None, errors: dict[int, str]):
         super().__init__(f"{len(errors)} row(s) could not be sampled")
         self.tokens, self.logprobs, self.errors = tokens, logprobs, errors
 
 
+def needs_logits(req: Request, with_logprobs: bool) -> bool:
+    """Whether a row must be chosen from full logits (the greedy head gives only an argmax)."""
+    p = req.params
+    return with_logprobs or p.logprobs is not None or p.penalised or not p.greedy
+
+
 def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[list[int]],
-           with_logprobs: bool = True) -> tuple[list[int], list[float] | None]:
+           with_logprobs: bool = True) -> tuple[list[int], list[TokenLogprob | None] | None]:
     """hidden [n, hidden], one row per request (runner.run's output); banned: the ids each
     row may not pick (its stop ids before min_tokens). `model` has `logits(rows)` and
-    `greedy(rows, banned)` (None where it cannot). Returns token ids and, if asked, their
-    logprobs. Greedy rows go to `greedy` unless logprobs are asked for."""
-    fast = [] if with_logprobs else [row for row, req in enumerate(requests) if req.params.greedy]
+    `greedy(rows, banned)` (None where it cannot). Returns token ids and, where a row's
+    request asks for them (or `with_logprobs`, every row: a hand-off carries them), their
+    logprobs (None for the other rows; None in all when none asks)."""
+    fast = [row for row, req in enumerate(requests) if not needs_logits(req, with_logprobs)]
     fast_tokens = model.greedy(hidden[fast], [banned[row] for row in fast]) if fast else None
     if fast_tokens is None:
         return sample_logits(model.logits(hidden), requests, banned, with_logprobs)
     if len(fast) == len(requests):
         return fast_tokens, None
     rest = sorted(set(range(len(requests))) - set(fast))
-    errors = {}
+    errors, rest_logprobs = {}, None
     try:
-        rest_tokens, _ = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
-                                       [banned[r] for r in rest], with_logprobs=False)
+        rest_tokens, rest_logprobs = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
+                                                   [banned[r] for r in rest], with_logprobs)
     except RowsFailed as exc:
-        rest_tokens, errors = exc.tokens, {rest[row]: message for row, message in exc.errors.items()}
+        rest_tokens, rest_logprobs = exc.tokens, exc.logprobs
+        errors = {rest[row]: message for row, message in exc.errors.items()}
     by_row = dict(zip(fast, fast_tokens)) | dict(zip(rest, rest_tokens))
     tokens = [by_row[row] for row in range(len(requests))]
+    logprobs = None
+    if rest_logprobs is not None:
+        lp_by_row = dict(zip(rest, rest_logprobs))
+        logprobs = [lp_by_row.get(row) for row in range(len(requests))]
     if errors:
-        raise RowsFailed(tokens, None, errors)
-    return tokens, None
+        raise RowsFailed(tokens, logprobs, errors)
+    return tokens, logprobs
 
 
 def sample_logits(logits: torch.Tensor, requests: list[Request], banned: list[list[int]],
-                  with_logprobs: bool = True) -> tuple[list[int], list[float] | None]:
-    """logits [n, V] fp32, one row per request; returns token ids and, if asked, their logprobs
-    (a logsumexp over the vocabulary: 0.37 ms of a 23 ms step at 16 rows of the default model).
-    Everything stays on the logits' device; the one host copy is the ids at the end."""
+                  with_logprobs: bool = True) -> tuple[list[int], list[TokenLogprob | None] | None]:
+    """logits [n, V] fp32, one row per request (changed in place); returns token ids and the
+    logprobs of the rows that ask (see `sample`). Everything stays on the logits' device; the
+    host copies are the ids (and the logprobs) at the end."""
+    want = [row for row, req in enumerate(requests) if with_logprobs or req.params.logprobs is not None]
+    raw = torch.log_softmax(logits[want], dim=-1) if want else None   # before anything below changes them
     for row, ids in enumerate(banned):
         if ids:
             logits[row, ids] = float("-inf")  # no end before min_tokens
+    penalised = [row for row, req in enumerate(requests) if req.params.penalised]
+    if penalised:
+        apply_penalties(logits, penalised, [requests[row] for row in penalised])
     tokens = logits.argmax(dim=-1)
     sampled = [row for row, req in enumerate(requests) if not req.params.greedy]
     failed = None
@@ -60,24 +81,118 @@ def sample_logits(logits: torch.Tensor, requests: list[Request], banned: list[li
         picks, failed = _sample_rows(logits[sampled], [requests[row] for row in sampled])
         tokens[sampled] = picks
     logprobs = None
-    if with_logprobs:
-        logprobs = (logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
+    if want:
+        chosen = _token_logprobs(raw, tokens[want], [requests[row].params.logprobs or 0 for row in want])
+        logprobs = [None] * len(requests)
+        for row, entry in zip(want, chosen):
+            logprobs[row] = entry
     tokens = tokens.tolist()
+    for row in penalised:
+        requests[row].history.add(tokens[row])
     if failed is not None and any(bad := failed.tolist()):
         raise RowsFailed(tokens, logprobs, {sampled[i]: "its probabilities are not finite (NaN or inf)"
                                             for i, b in enumerate(bad) if b})
     return tokens, logprobs
 
 
+def _token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:
+    """Each row's chosen token's logprob and rank, and its top N (one host copy)."""
+    own = raw.gather(1, tokens[:, None])
+    rank = (raw >= own).sum(dim=-1, keepdim=True)   # vLLM's rank: tokens at least as likely, itself included
+    columns = [own.double(), rank.double()]
+    k = max(tops)
+    if k:
+        top_values, top_ids = raw.topk(k, dim=-1)
+        columns += [top_values.double(), top_ids.double()]
+    out = []
+    for values, n in zip(torch.cat(columns, dim=1).tolist(), tops):
+        top = tuple(zip(map(int, values[2 + k:2 + k + n]), values[2:2 + n]))
+        out.append(TokenLogprob(values[0], int(values[1]), top))
+    return out
+
+
+class History:
+    """The ids a penalised request's penalties read: its prompt's distinct ids and every
+    output token. Kept by the sampler, which sees each token as it is sampled (with overlap
+    the scheduler's output_ids lag a step); made at the request's first penalised sample from
+    what it has by then (on decode, the first token that came with the KV)."""
+
+    def __init__(self, req: Request):
+        self.prompt = np.unique(np.asarray(req.prompt_ids, dtype=np.int64))
+        self.output = np.empty(len(req.output_ids) + req.params.max_tokens + 1, dtype=np.int64)
+        self.n = len(req.output_ids)
+        self.output[:self.n] = req.output_ids
+
+    def add(self, token: int) -> None:
+        if self.n == len(self.output):  # a preempted request samples its last token again: keep room
+            self.output = np.concatenate([self.output, np.empty_like(self.output)])
+        self.output[self.n] = token
+        self.n += 1
+
+    @property
+    def outputs(self) -> np.ndarray:
+        return self.output[:self.n]
+
+    def seen(self) -> np.ndarray:
+        return np.concatenate([self.prompt, self.outputs])
+
+
+def _history(req: Request) -> History:
+    if req.history is None:
+        req.history = History(req)
+    return req.history
+
+
+def _pad(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ids padded to one width with a copy of the row's own first id (a scatter writes
+    it the same value twice), and which entries are real. A row with no ids is all id 0."""
+    width = max(1, max(len(a) for a in arrays))
+    ids = np.zeros((len(arrays), width), dtype=np.int64)
+    real = np.zeros((len(arrays), width), dtype=bool)
+    for i, a in enumerate(arrays):
+        if len(a):
+            ids[i] = a[0]
+            ids[i, :len(a)] = a
+            real[i, :len(a)] = True
+    return ids, real
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+    """In place on `rows` of logits [n, V], only at the ids each row has seen (gathered, then
+    scattered back: no pass over the vocabulary): repetition as transformers and vLLM apply
+    it (positive logits divided by it, the others multiplied) over prompt and output ids,
+    then frequency x count and presence over output ids (OpenAI's, vLLM's definition)."""
+    device, dtype = logits.device, logits.dtype
+    hists = [_history(req) for req in requests]
+    index = torch.tensor(rows, device=device)[:, None]
+    column = lambda values: torch.tensor(values, dtype=dtype, device=device)[:, None]
+    if any(req.params.repetition_penalty != 1 for req in requests):
+        ids = torch.from_numpy(_pad([h.seen() for h in hists])[0]).to(device)
+        r = column([req.params.repetition_penalty for req in requests])
+        v = logits[index, ids]
+        logits[index, ids] = torch.where(v > 0, v / r, v * r)
+    if any(req.params.presence_penalty or req.params.frequency_penalty for req in requests):
+        ids, real = _pad([h.outputs for h in hists])
+        ids, real = torch.from_numpy(ids).to(device), torch.from_numpy(real).to(device)
+        presence = column([req.params.presence_penalty * (h.n > 0) for req, h in zip(requests, hists)])
+        frequency = column([req.params.frequency_penalty for req in requests])
+        logits[index, ids] = logits[index, ids] - presence
+        logits.index_put_((index.expand_as(ids), ids), -frequency * real, accumulate=True)
+
+
 def _sample_rows(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k, top-p, then one draw per row by the Gumbel-max trick: argmax of
-    logits - log(E), E ~ Exp(1), is a draw from softmax(logits). A row with a seed draws its
+    """Temperature, min_p, top-k, top-p, then one draw per row by the Gumbel-max trick: argmax
+    of logits - log(E), E ~ Exp(1), is a draw from softmax(logits). A row with a seed draws its
     noise from its own generator on the logits' device (a CPU generator cannot feed a CUDA
     tensor), so its tokens do not depend on its neighbours. Returns the tokens and which
     rows had no distribution to draw from."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=device)
     x = logits / temperature[:, None]
+    if any(r.params.min_p > 0 for r in requests):
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); min_p 0 keeps every id
+        floor = torch.tensor([r.params.min_p for r in requests], dtype=x.dtype, device=device).log()[:, None]
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     if any(r.params.top_k > 0 or r.params.top_p < 1 for r in requests):
         x = _top_k_top_p(x, requests)
     noise = torch.empty_like(x)

@@ -33,7 +33,7 @@ import torch
 from backends import dllm
 from backends.config import EngineConfig
 from backends.kv_cache import Fence
-from backends.request import Request, RequestOutput, Status
+from backends.request import Request, RequestOutput, Status, TokenLogprob
 from backends.role import ColocatedRole, Role
 from backends.runner import Batch, ModelRunner, StepInputs
 from backends.sampler import RowsFailed, sample
@@ -445,7 +445,7 @@ class Scheduler:
         self.pool.collect()
 
     # ---- results -------------------------------------------------------------------
-    def process(self, step: Step, tokens: list[int], logprobs: list[float] | None, errors: dict) -> None:
+    def process(self, step: Step, tokens: list[int], logprobs: list[TokenLogprob | None] | None, errors: dict) -> None:
         if self.dllm_block:
             return self._process_dllm(step, tokens)
         for row, (req, token) in enumerate(zip(step.batch.samples, tokens)):
@@ -489,7 +489,7 @@ class Scheduler:
         req.block_start += len(req.block)
         req.block = [self.mask_id] * self.dllm_block
 
-    def append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
+    def append_token(self, req: Request, token: int, logprob: TokenLogprob | None, stop_ids: list[int]) -> None:
         """Take a sampled token; a failure here (detokenizing, a stop check, a role's hand-off)
         ends only this request."""
         try:
@@ -499,15 +499,21 @@ class Scheduler:
             self.finish(req, "error", error=f"internal error: {exc}")
 
     def stop_ids(self, req: Request) -> list[int]:
-        if req.params.ignore_eos:
-            return []
-        return [req.params.end_id] if req.params.end_id is not None else self.eos_ids
+        """end_id or the model's EOS ids (none with ignore_eos), and the request's stop_token_ids."""
+        p = req.params
+        eos = [] if p.ignore_eos else [p.end_id] if p.end_id is not None else self.eos_ids
+        return eos + list(p.stop_token_ids) if p.stop_token_ids else eos
 
-    def _append_token(self, req: Request, token: int, logprob: float | None, stop_ids: list[int]) -> None:
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None, stop_ids: list[int]) -> None:
         req.output_ids.append(token)
         req.last_logprob = logprob
+        if req.params.logprobs is not None:
+            req.output_logprobs.append(logprob.as_vllm(token, req.detok.token_text))
         if self.role.on_sampled(req):
             return
+        if token in stop_ids and req.params.include_stop_str_in_output:
+            req.detok.add(token)   # its text stays (vLLM: include_stop_str_in_output covers stop ids too)
         reason = "stop" if token in stop_ids else self._end_reason(req, token)
         if reason:
             self.finish(req, reason)
@@ -530,11 +536,12 @@ class Scheduler:
         if not (text or final):
             return  # a token that ends inside a character waits for the next one
         ids = req.output_ids[req.emitted_ids:]
+        logprobs = req.output_logprobs[req.emitted_ids:] if req.params.logprobs is not None else None
         req.emitted_ids = len(req.output_ids)
         req.sink(RequestOutput(
             request_id=req.id, text=text, token_ids=ids, finished=final, finish_reason=reason,
             error=error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached_tokens or 0))
+            num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs))
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End a request for any reason: free everything it holds, send its last output."""

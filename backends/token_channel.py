@@ -34,14 +34,17 @@ def address(identity: str) -> str:
 
 
 def encode(room: int, out: RequestOutput) -> bytes:
+    logprobs = None if out.logprobs is None else [list(entry.items()) for entry in out.logprobs]
     body = json.dumps([room, out.text, out.token_ids, out.finished, out.finish_reason,
-                       out.num_prompt_tokens, out.num_output_tokens]).encode()
+                       out.num_prompt_tokens, out.num_output_tokens, logprobs]).encode()
     return HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> tuple[int, RequestOutput]:
-    room, text, ids, finished, reason, n_in, n_out = json.loads(body)
-    return room, RequestOutput(str(room), text, ids, finished, reason, None, n_in, n_out)
+    room, text, ids, finished, reason, n_in, n_out, logprobs = json.loads(body)
+    if logprobs is not None:  # (id, (logprob, rank, text)) pairs, so the ids stay ints
+        logprobs = [{tid: tuple(value) for tid, value in entry} for entry in logprobs]
+    return room, RequestOutput(str(room), text, ids, finished, reason, None, n_in, n_out, logprobs=logprobs)
 
 
 class Writer:

@@ -22,7 +22,7 @@ from backends.parameters import refuse_unknown
 from backends.engine import Engine, InvalidRequest
 from backends.request import RequestOutput
 from backends.role import disagg_config, make_role
-from backends.triton_io import OUTPUTS, control_room, parse_request
+from backends.triton_io import control_room, parse_request
 from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
 from backends.token_channel import Writer, Writers
 from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseStream, StreamingModel, model_parameters,
@@ -97,7 +97,7 @@ class EngineModel(StreamingModel):
                 raise InvalidRequest(f"the {self.role} model {'needs' if req.room is None else 'takes no'} "
                                      "bootstrap_room (send requests to `router` or `llm`)")
             ids = self.engine.tokenize(req.prompt, chat=req.chat)
-            wanted = tuple(request.requested_output_names()) or OUTPUTS
+            wanted = req.wanted(tuple(request.requested_output_names()))
             parameters = request_parameters(request)
             parent = parameters.get(PARENT_PARAMETER)
             stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort, self.latencies,

@@ -15,7 +15,7 @@ import numpy as np
 
 from backends.request import InvalidRequest, SamplingParams
 
-# tensor name -> (SamplingParams field, python type)
+# TensorRT-LLM-style input tensor -> (SamplingParams field, python type)
 SCALAR_INPUTS = {
     "max_tokens": ("max_tokens", int),
     "min_tokens": ("min_tokens", int),
@@ -23,13 +23,34 @@ SCALAR_INPUTS = {
     "temperature": ("temperature", float),
     "top_k": ("top_k", int),
     "top_p": ("top_p", float),
+    "min_p": ("min_p", float),
     "seed": ("seed", int),
+    "random_seed": ("seed", int),        # TensorRT-LLM's name
     "end_id": ("end_id", int),
+    "repetition_penalty": ("repetition_penalty", float),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
 }
-JSON_KEYS = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_k": int,
-             "top_p": float, "seed": int, "ignore_eos": bool, "stop": list}
+# vLLM sampling_parameters key -> python type (each is the SamplingParams field of its name)
+JSON_KEYS = {"max_tokens": int, "min_tokens": int, "temperature": float, "top_k": int, "top_p": float,
+             "min_p": float, "seed": int, "ignore_eos": bool, "stop": str, "stop_token_ids": int,
+             "include_stop_str_in_output": bool, "skip_special_tokens": bool, "repetition_penalty": float,
+             "presence_penalty": float, "frequency_penalty": float, "logprobs": int}
+LIST_KEYS = {"stop", "stop_token_ids"}   # a list of their type (stop: a single string too)
+# vLLM keys taken only at the value that is what Tandem does (null means that value too)
+FIXED_KEYS = {"n": (1, "Tandem returns one sequence per request"),
+              "best_of": (1, "Tandem returns one sequence per request"),
+              "use_beam_search": (False, "Tandem does not search beams"),
+              "detokenize": (True, "Tandem always returns text"),
+              "spaces_between_special_tokens": (True, "Tandem decodes with the fast tokenizer's spacing"),
+              "prompt_logprobs": (None, "prompt logprobs are not computed")}
+# input flag -> the outputs it turns on: TensorRT-LLM's, then the vLLM backend's
+LOGPROB_FLAGS = {"return_log_probs": ("output_log_probs", "cum_log_probs"),
+                 "return_logprobs": ("logprobs",),
+                 "return_cumulative_logprob": ("cumulative_logprob",)}
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
-PER_TOKEN_OUTPUTS = ("text_output", "output_ids")   # in every streamed response; the rest in the first and last
+# in every streamed response; the rest in the first and last
+PER_TOKEN_OUTPUTS = ("text_output", "output_ids", "output_log_probs", "cum_log_probs", "logprobs", "cumulative_logprob")
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,11 @@ class GenerateRequest:
     exclude_input: bool
     chat: bool
     room: int | None = None   # bootstrap room, set by the router for prefill and decode
+    logprob_outputs: tuple[str, ...] = ()   # the logprob outputs its flags turned on
+
+    def wanted(self, requested: tuple[str, ...]) -> tuple[str, ...]:
+        """The outputs to send: those the client named, else the usual ones and those its flags turned on."""
+        return requested or OUTPUTS + self.logprob_outputs
 
 
 def control_room(get: Callable[[str], np.ndarray | None]) -> int | None:
@@ -77,6 +103,44 @@ def _bool(value) -> bool:
     return bool(value)
 
 
+def _json_value(value, kind):
+    """One JSON value as `kind` (genai-perf sends numbers and booleans as strings); ValueError if it is not one."""
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+            return value.strip().lower() in ("true", "1")
+        raise ValueError
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError
+    number = float(value)
+    if kind is int:
+        if not number.is_integer():
+            raise ValueError
+        return int(value) if isinstance(value, int) else int(number)
+    return number
+
+
+def _json_field(key: str, value):
+    kind = JSON_KEYS[key]
+    name = "a list of strings" if key == "stop" else "a list of ints" if key in LIST_KEYS else f"a {kind.__name__}"
+    try:
+        if key in LIST_KEYS:
+            if key == "stop" and isinstance(value, str):
+                return (value,)
+            if not isinstance(value, list):
+                raise ValueError
+            return tuple(_json_value(v, kind) for v in value)
+        value = _json_value(value, kind)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidRequest(f"sampling_parameters.{key} must be {name}, got {value!r}") from None
+    return 0 if key == "top_k" and value == -1 else value   # vLLM's -1: no limit
+
+
 def _json_params(raw: str) -> dict:
     try:
         data = json.loads(raw)
@@ -85,20 +149,23 @@ def _json_params(raw: str) -> dict:
     if not isinstance(data, dict):
         raise InvalidRequest("sampling_parameters must be a JSON object")
     out = {}
-    for key, kind in JSON_KEYS.items():
-        if key not in data or data[key] is None:
-            continue
-        value = data[key]
-        try:
-            if kind is list:
-                out["stop"] = (value,) if isinstance(value, str) else tuple(str(s) for s in value)
-            elif kind is bool:
-                out[key] = _bool(value)
-            else:
-                out[key] = kind(float(value)) if kind is int else kind(value)
-        except (TypeError, ValueError, OverflowError):
-            raise InvalidRequest(f"sampling_parameters.{key} must be a {kind.__name__}, got {value!r}") from None
+    for key, value in data.items():
+        if key in FIXED_KEYS:
+            fixed, why = FIXED_KEYS[key]
+            if value is not None and value != fixed:
+                raise InvalidRequest(f"sampling_parameters.{key} must be {json.dumps(fixed)} ({why}), "
+                                     f"got {json.dumps(value)}")
+        elif key not in JSON_KEYS:
+            raise InvalidRequest(f"sampling_parameters.{key} is not supported by Tandem (supported keys: "
+                                 f"{', '.join(sorted(JSON_KEYS | FIXED_KEYS))})")
+        elif value is not None:
+            out[key] = _json_field(key, value)
     return out
+
+
+def _flag(get: Callable[[str], np.ndarray | None], name: str, default: bool = False) -> bool:
+    arr = get(name)
+    return _bool(_scalar(arr, name)) if arr is not None else default
 
 
 def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: int) -> GenerateRequest:
@@ -120,26 +187,55 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
     words = get("stop_words")
     if words is not None:
         fields["stop"] = tuple(w for w in (_text(w, "stop_words") for w in np.asarray(words).reshape(-1)) if w)
+    beams = get("beam_width")
+    if beams is not None and (width := _number(_scalar(beams, "beam_width").item(), int, "beam_width")) != 1:
+        raise InvalidRequest(f"input 'beam_width' must be 1 (Tandem does not search beams), got {width}")
+    outputs = tuple(out for flag, outs in LOGPROB_FLAGS.items() if _flag(get, flag) for out in outs)
+    if fields.get("logprobs") is None and set(outputs) - {"logprobs"}:
+        fields["logprobs"] = 0   # the sampled tokens' own logprobs
     try:
         params = SamplingParams(**fields)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    flag = lambda name, default: _bool(_scalar(get(name), name)) if get(name) is not None else default
     room = get("bootstrap_room")
-    return GenerateRequest(prompt=prompt, params=params, stream=flag("stream", False),
-                           exclude_input=flag("exclude_input_in_output", False),
-                           chat=flag("apply_chat_template", False),
-                           room=None if room is None else int(_scalar(room, "bootstrap_room")))
+    return GenerateRequest(prompt=prompt, params=params, stream=_flag(get, "stream"),
+                           exclude_input=_flag(get, "exclude_input_in_output"),
+                           chat=_flag(get, "apply_chat_template"),
+                           room=None if room is None else int(_scalar(room, "bootstrap_room")),
+                           logprob_outputs=outputs)
 
 
-def output_arrays(text: str, token_ids: list[int], finish_reason: str | None,
-                  num_input: int, num_output: int, wanted: tuple[str, ...] = OUTPUTS) -> dict[str, np.ndarray]:
-    """The response tensors, only those the client asked for (all when it named none)."""
+def output_arrays(text: str, token_ids: list[int], finish_reason: str | None, num_input: int, num_output: int,
+                  wanted: tuple[str, ...] = OUTPUTS, logprobs: list[dict] | None = None,
+                  cumulative: float = 0.0) -> dict[str, np.ndarray]:
+    """The response tensors, only those wanted. logprobs: the new tokens' (RequestOutput.logprobs),
+    cumulative: the sum of every sampled token's logprob so far."""
     make = {
         "text_output": lambda: np.array([text.encode("utf-8")], dtype=np.object_),
         "output_ids": lambda: np.array(token_ids, dtype=np.int32),
         "finish_reason": lambda: np.array([(finish_reason or "").encode()], dtype=np.object_),
         "num_input_tokens": lambda: np.array([num_input], dtype=np.int32),
         "num_output_tokens": lambda: np.array([num_output], dtype=np.int32),
+        # TensorRT-LLM's: [beams = 1, new tokens] and [beams = 1]
+        "output_log_probs": lambda: np.array([[d[t][0] for t, d in zip(token_ids, logprobs or ())]], dtype=np.float32),
+        "cum_log_probs": lambda: np.array([cumulative], dtype=np.float32),
+        # the vLLM backend's: the new tokens' Logprob dicts as JSON ("null" when logprobs was not asked)
+        "logprobs": lambda: np.array([vllm_logprobs_json(logprobs).encode()], dtype=np.object_),
+        "cumulative_logprob": lambda: np.array([cumulative], dtype=np.float32),
     }
     return {name: make[name]() for name in wanted if name in make}
+
+
+def vllm_logprobs_json(logprobs: list[dict] | None) -> str:
+    if logprobs is None:
+        return "null"
+    return json.dumps([{str(tid): {"logprob": lp, "rank": rank, "decoded_token": text}
+                        for tid, (lp, rank, text) in entry.items()} for entry in logprobs])
+
+
+def parse_vllm_logprobs(raw: str) -> list[dict[int, tuple[float, int, str]]] | None:
+    """vllm_logprobs_json's text back to RequestOutput.logprobs (the router reads its children's)."""
+    data = json.loads(raw)
+    if data is None:
+        return None
+    return [{int(tid): (v["logprob"], v["rank"], v["decoded_token"]) for tid, v in entry.items()} for entry in data]

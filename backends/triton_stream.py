@@ -80,7 +80,8 @@ class ResponseStream:
         # that joins the pieces must not get the prompt): exclude_input_in_output=false is
         # honoured for one-response requests only.
         self.prefix = "" if req.exclude_input or req.stream else req.prompt
-        self.text, self.ids = [], []
+        self.text, self.ids, self.logprobs = [], [], []
+        self.cumulative = 0.0   # the sampled tokens' logprobs summed (cum_log_probs, cumulative_logprob)
         # Triton frees the response factory with the final response; asking it
         # is_cancelled() after that crashes the server, so both hold this lock.
         self.lock = threading.Lock()
@@ -131,20 +132,24 @@ class ResponseStream:
             self.sender.send(self.pb.InferenceResponse(output_tensors=[], error=self.pb.TritonError(out.error)),
                              flags=final)
             return
+        if out.logprobs:
+            self.cumulative += sum(entry[token][0] for token, entry in zip(out.token_ids, out.logprobs))
         if not self.req.stream:
             self.text.append(out.text)
             self.ids.extend(out.token_ids)
+            self.logprobs.extend(out.logprobs or ())
             if not out.finished:
                 return
             out = RequestOutput(out.request_id, "".join(self.text), self.ids, True, out.finish_reason,
-                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens)
+                                num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                logprobs=self.logprobs if self.req.params.logprobs is not None else None)
         if self.channel is not None:
             return self._send_by_channel(out, final)
         text, self.prefix = self.prefix + out.text, ""
         wanted = self.wanted if self.responses == 0 or out.finished else self.wanted_mid
         self.responses += 1
         arrays = output_arrays(text, out.token_ids, out.finish_reason, out.num_prompt_tokens,
-                               out.num_output_tokens, wanted)
+                               out.num_output_tokens, wanted, out.logprobs, self.cumulative)
         tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
         self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
 

@@ -10,6 +10,9 @@ streaming. Targets:
   --target dis=grpc://host:8001/router           or the URL's path)
   --target llamacpp=http://localhost:8013/smol  an OpenAI-compatible /v1/completions
                                                  server; the path is its model name
+  --target pen=grpc://localhost:8001/llm?repetition_penalty=1.2
+                                                the query: extra request inputs of the target
+                                                (genai-perf --extra-inputs), e.g. penalties
 
 Prints one table, writes bench.json and PNG plots into --out, and for Tandem
 targets checks that the output tokens genai-perf counted (by re-tokenizing the
@@ -44,6 +47,7 @@ class Target:
     kind: str    # "triton" (Tandem over gRPC) | "openai" (/v1/completions)
     url: str     # host:port for gRPC, http://host:port for OpenAI
     model: str
+    extra: tuple[tuple[str, str], ...] = ()   # genai-perf --extra-inputs of every request
 
 
 @dataclass(frozen=True)
@@ -59,16 +63,18 @@ class Workload:
 
 
 def parse_target(spec: str) -> Target:
-    """NAME=grpc://HOST:PORT[/MODEL] | NAME=http://HOST:PORT[/MODEL] | NAME (= grpc://localhost:8001)."""
+    """NAME=grpc://HOST:PORT[/MODEL][?KEY=VALUE&...] | NAME=http://HOST:PORT[/MODEL][?...] | NAME
+    (= grpc://localhost:8001)."""
     name, _, url = spec.partition("=")
     parts = urllib.parse.urlsplit(url or "grpc://localhost:8001")
     if not name or parts.scheme not in ("grpc", "http", "https") or not parts.netloc:
         raise argparse.ArgumentTypeError(f"bad target {spec!r}: want NAME=grpc://HOST:PORT[/MODEL] "
                                          "or NAME=http://HOST:PORT[/MODEL]")
     model = parts.path.strip("/") or name
+    extra = tuple(urllib.parse.parse_qsl(parts.query, strict_parsing=bool(parts.query)))
     if parts.scheme == "grpc":
-        return Target(name, "triton", parts.netloc, model)
-    return Target(name, "openai", f"{parts.scheme}://{parts.netloc}", model)
+        return Target(name, "triton", parts.netloc, model, extra)
+    return Target(name, "openai", f"{parts.scheme}://{parts.netloc}", model, extra)
 
 
 def request_count(w: Workload, level: float) -> int:
@@ -98,6 +104,8 @@ def genai_perf_cmd(t: Target, mode: str, level: float, w: Workload, seed: int, r
         cmd += ["--endpoint-type", "completions", "-u", t.url, "--extra-inputs", "temperature:0.0",
                 "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{w.output_tokens}",
                 "--header", "Connection:close"]
+    for key, value in t.extra:
+        cmd += ["--extra-inputs", f"{key}:{value}"]
     return cmd
 
 
@@ -162,8 +170,8 @@ def run_level(t: Target, mode: str, level: float, w: Workload, seed: int, run_di
 
 def base_row(t: Target, mode: str, level: float, w: Workload) -> dict:
     # Each row carries its workload, so that merged results stay self-describing.
-    return {"target": t.name, "kind": t.kind, "url": t.url, "model": t.model, "mode": mode, "level": level,
-            "requests": request_count(w, level),
+    return {"target": t.name, "kind": t.kind, "url": t.url, "model": t.model, "extra": dict(t.extra), "mode": mode,
+            "level": level, "requests": request_count(w, level),
             "workload": {"input_tokens": w.input_tokens, "output_tokens": w.output_tokens, "seed": w.seed}}
 
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from client.bench import parse_target
+from client.bench import Workload, genai_perf_cmd, parse_target
 from tests.server import ROOT
 
 pytestmark = pytest.mark.server
@@ -121,6 +121,12 @@ def test_parse_target():
     assert (p.kind, p.url, p.model) == ("openai", "http://127.0.0.1:8011", "smol")
     with pytest.raises(Exception):
         parse_target("x=ftp://h:1")
+    pen = parse_target("pen=grpc://h:1/llm?repetition_penalty=1.2&presence_penalty=0.5")
+    assert (pen.model, pen.extra) == ("llm", (("repetition_penalty", "1.2"), ("presence_penalty", "0.5")))
+    cmd = genai_perf_cmd(pen, "concurrency", 16, Workload(128, 128, "tok", 0, 0, 0, "tensorrtllm", 60), 0, "d")
+    assert " ".join(cmd).endswith("--extra-inputs repetition_penalty:1.2 --extra-inputs presence_penalty:0.5")
+    with pytest.raises(Exception):
+        parse_target("bad=grpc://h:1/llm?novalue")
 
 
 def test_rounds_median_of_ratios(tmp_path, capsys):

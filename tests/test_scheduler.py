@@ -133,7 +133,7 @@ def test_logprobs_only_where_a_hand_off_carries_them():
     tokens, logprobs = sample_logits(logits.clone(), reqs, [[], [], []], with_logprobs=True)
     assert tokens == logits.argmax(-1).tolist()
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(logprobs), want, atol=1e-5)
+    assert torch.allclose(torch.tensor([lp.logprob for lp in logprobs]), want, atol=1e-5)
     assert sample_logits(logits.clone(), reqs, [[], [], []], with_logprobs=False) == (tokens, None)
     assert PrefillRole.carries_logprobs and not ColocatedRole.carries_logprobs
     assert not DecodeRole.carries_logprobs   # its first token's logprob arrives with the KV

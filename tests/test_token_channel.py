@@ -157,11 +157,20 @@ def test_the_router_forwards_a_batch_per_relay_in_order():
 
 
 def test_frames_are_length_prefixed_json():
-    body = b'[9, "t", [1], false, null, 3, 1]'
+    body = b'[9, "t", [1], false, null, 3, 1, null]'
     frame = HEADER.pack(len(body)) + body
     assert struct.unpack("<I", frame[:4])[0] == len(body)
     batch, rest = Listener._frames(frame + frame[:6])
     assert [(room, out.text, out.token_ids) for room, out in batch] == [(9, "t", [1])] and rest == frame[:6]
+
+
+def test_a_frame_carries_logprobs_with_int_token_ids():
+    """JSON keys are strings: the frame keeps each token's Logprob dict as (id, value) pairs."""
+    from backends.request import RequestOutput
+    from backends.token_channel import decode, encode
+    logprobs = [{7: (-0.5, 1, " a"), 3: (-1.5, 2, "b")}]
+    room, out = decode(encode(9, RequestOutput("x", "a", [7], logprobs=logprobs))[HEADER.size:])
+    assert room == 9 and out.logprobs == logprobs and list(out.logprobs[0]) == [7, 3]
 
 
 @pytest.mark.parametrize("frame_comes", [True, False])

@@ -22,6 +22,7 @@ nixl = pytest.importorskip("nixl")
 from backends.disagg.transport import (  # noqa: E402
     KVLayout, KVTransport, Region, TransferError, coalesce_pairs, coalesce_runs, page_descs,
 )
+from backends.disagg import protocol  # noqa: E402
 from backends.disagg.worker import TransferWorker  # noqa: E402
 
 SENTINEL = -1.0
@@ -113,6 +114,8 @@ def _serve(t, kv, meta, inbox, cmd, args):
             time.sleep(0.002)
         out, inbox[:] = inbox[:n], inbox[n:]
         return out
+    if cmd == "meta":
+        return meta.numpy().copy()
     if cmd == "reset":
         kv.fill_(SENTINEL)
         meta.fill_(-1)
@@ -217,19 +220,50 @@ def test_layer_group_lands_in_exactly_the_destination_pages(prefill, decode):
     np.testing.assert_array_equal(kv, expect)
 
 
-def test_metadata_lands_after_kv(prefill, decode):
-    decode.call("reset")
-    h = prefill.write_kv(decode.name, [6, 7], [0, 1], range(SHAPE["num_layers"]), notif=b"kv")
-    assert wait_done(prefill, h) == "DONE"
-    prefill.release(h)
-    m = prefill.write_meta(decode.name, 1, 3, notif=b"meta")
-    assert wait_done(prefill, m) == "DONE"
-    prefill.release(m)
-    (_, first, _, _), (_, second, kv, meta) = decode.call("wait", 2, 10)
-    assert (first, second) == (b"kv", b"meta")
-    np.testing.assert_array_equal(meta[3], prefill.meta[1].numpy())
-    assert (meta[[0, 1, 2]] == -1).all()
-    np.testing.assert_array_equal(kv[:, :, [0, 1]], prefill.kv.numpy()[:, :, [6, 7]])
+def test_metadata_waits_for_a_kv_write_in_flight():
+    """The worker posts the metadata row (decode's `done`) only once every KV write of the
+    room has finished: while NIXL still reports a KV write in flight, decode is not told
+    done and its slot stays untouched, however often the worker looks; once the write
+    finishes, the metadata follows and the KV under it is there."""
+    kv, meta = make_buffers(**SHAPE)
+    kv.copy_(torch.randn(kv.shape))
+    meta.copy_(torch.arange(meta.numel()).reshape(meta.shape))
+    transport = KVTransport("prefill-held", kv, meta)
+    held, kv_handles, looks = threading.Event(), [], []
+    real_poll, real_write_kv = transport.poll, transport.write_kv
+
+    def write_kv(*args, **kwargs):
+        kv_handles.append(real_write_kv(*args, **kwargs))
+        return kv_handles[-1]
+
+    def poll(handle):
+        if handle in kv_handles and not held.is_set():
+            looks.append(handle)
+            return "PROC"   # the write is held in flight, whatever NIXL says
+        return real_poll(handle)
+
+    transport.write_kv, transport.poll = write_kv, poll
+    worker = TransferWorker(transport, wake=lambda: None, timeout_s=30)
+    peer = Peer("decode-held")
+    try:
+        worker.connect(peer.name, "127.0.0.1", peer.port, timeout_s=10)
+        assert _next_event(worker, {"connected", "connect_failed"}, 10)[0] == "connected"
+        worker.write(7, peer.name, range(SHAPE["num_layers"]), [6, 7], [0, 1])
+        worker.finish(7, peer.name, 1, 3)
+        deadline = time.monotonic() + 10
+        while (len(looks) < 20 or real_poll(kv_handles[0]) != "DONE") and time.monotonic() < deadline:
+            time.sleep(0.002)   # until NIXL has finished the write and the worker saw it held 20 times
+        assert len(looks) >= 20 and real_poll(kv_handles[0]) == "DONE"
+        assert peer.call("wait", 1, 0) == [] and (peer.call("meta")[3] == -1).all()   # not told done
+        held.set()
+        [(_, message, landed_kv, landed_meta)] = peer.call("wait", 1, 10)
+        assert message == protocol.encode("done", 7)
+        np.testing.assert_array_equal(landed_meta[3], meta[1].numpy())
+        np.testing.assert_array_equal(landed_kv[:, :, [0, 1]], kv.numpy()[:, :, [6, 7]])
+        assert _next_event(worker, {"shipped"}, 10)[1] == 7
+    finally:
+        peer.stop()
+        worker.stop()
 
 
 def test_messages_both_ways_and_bad_indices(prefill, decode):

@@ -15,7 +15,8 @@ ever take another's KV:
                                   give the room's pages to another request
 
 The metadata row (int64) is written into the decode engine's slot after the
-last KV write: room, first token, its logprob (float64 bits), prompt length.
+last KV write: room, first token, its logprob (float64 bits), prompt length,
+the logprob's rank, how many top logprobs follow, then (id, logprob bits) pairs.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import struct
 
 import torch
 
-META_WIDTH = 4
+from backends.request import MAX_LOGPROBS, TokenLogprob
+
+META_WIDTH = 6 + 2 * MAX_LOGPROBS
 
 
 def encode(kind: str, room: int, **fields) -> bytes:
@@ -43,14 +46,25 @@ def new_meta_buffer(slots: int) -> torch.Tensor:
     return torch.zeros((slots, META_WIDTH), dtype=torch.int64)
 
 
-def write_meta_row(meta: torch.Tensor, slot: int, room: int, token: int, logprob: float, prompt_len: int) -> None:
-    bits = struct.unpack("<q", struct.pack("<d", logprob))[0]
-    meta[slot] = torch.tensor([room, token, bits, prompt_len], dtype=torch.int64)
+def _bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def read_meta_row(meta: torch.Tensor, slot: int) -> tuple[int, int, float, int]:
-    room, token, bits, prompt_len = meta[slot].tolist()
-    return room, token, struct.unpack("<d", struct.pack("<q", bits))[0], prompt_len
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def write_meta_row(meta: torch.Tensor, slot: int, room: int, token: int, logprob: TokenLogprob,
+                   prompt_len: int) -> None:
+    top = [x for tid, value in logprob.top for x in (tid, _bits(value))]
+    row = [room, token, _bits(logprob.logprob), prompt_len, logprob.rank, len(logprob.top), *top]
+    meta[slot] = torch.tensor(row + [0] * (META_WIDTH - len(row)), dtype=torch.int64)
+
+
+def read_meta_row(meta: torch.Tensor, slot: int) -> tuple[int, int, TokenLogprob, int]:
+    room, token, bits, prompt_len, rank, n, *top = meta[slot].tolist()
+    pairs = tuple((top[2 * i], _float(top[2 * i + 1])) for i in range(min(n, MAX_LOGPROBS)))
+    return room, token, TokenLogprob(_float(bits), rank, pairs), prompt_len
 
 
 class SlotPool:

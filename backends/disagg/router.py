@@ -26,7 +26,7 @@ from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
 from backends.token_channel import Listener
 from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseStream, StreamingModel, model_parameters,
                                     process_identity)
-from backends.triton_io import OUTPUTS, parse_request
+from backends.triton_io import parse_request, parse_vllm_logprobs
 
 log = logging.getLogger("tandem.router")
 # The router's config.pbtxt parameters and their defaults.
@@ -42,7 +42,7 @@ PARAMETERS = {
 # With the token channel, decode's BLS stream ends right after its last frame is written; the
 # frame may still be on its way through the channel's reader.
 CHANNEL_GRACE_S = 5.0
-CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"]
+CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"]
 
 
 class Retired:
@@ -156,11 +156,11 @@ class Relay:
                 return  # decode got there first, or the first token is not a whole character yet
             self.forwarded, self.prefill_text = len(ids), text
             self._send(RequestOutput(str(self.room), text, ids, num_prompt_tokens=out.num_prompt_tokens,
-                                     num_output_tokens=len(ids)))
+                                     num_output_tokens=len(ids), logprobs=out.logprobs))
 
     def from_decode(self, out: RequestOutput) -> None:
         """Forwards one decode output at once; the one with a finish reason is the last."""
-        ids, text, reason = out.token_ids, out.text, out.finish_reason
+        ids, text, reason, logprobs = out.token_ids, out.text, out.finish_reason, out.logprobs
         final = bool(reason)
         with self.lock:
             start, self.decoded = self.decoded, self.decoded + len(ids)
@@ -168,6 +168,7 @@ class Relay:
                 return
             if start < self.forwarded:  # prefill already streamed these tokens: cut them and their text
                 ids = ids[self.forwarded - start:]
+                logprobs = None if logprobs is None else logprobs[self.forwarded - start:]
                 text = self._cut_prefill_text(text)
             if not (ids or text or final):
                 return
@@ -176,7 +177,7 @@ class Relay:
                 self.ended.set()
             self._send(RequestOutput(str(self.room), text, ids, finished=final, finish_reason=reason or None,
                                      num_prompt_tokens=out.num_prompt_tokens,
-                                     num_output_tokens=out.num_output_tokens))
+                                     num_output_tokens=out.num_output_tokens, logprobs=logprobs))
 
     def _cut_prefill_text(self, text: str) -> str:
         """Decode's text past what prefill already sent (both detokenize the same tokens alike)."""
@@ -207,9 +208,10 @@ class Relay:
 def child_output(outputs: dict) -> RequestOutput:
     """A child's response tensors as the output they stand for (room left blank)."""
     ids = [int(t) for t in np.asarray(outputs.get("output_ids", [])).reshape(-1)]
+    logprobs = parse_vllm_logprobs(_str(outputs, "logprobs")) if _str(outputs, "logprobs") else None
     return RequestOutput("", _str(outputs, "text_output"), ids, finish_reason=_str(outputs, "finish_reason") or None,
                          num_prompt_tokens=_int(outputs, "num_input_tokens"),
-                         num_output_tokens=_int(outputs, "num_output_tokens"))
+                         num_output_tokens=_int(outputs, "num_output_tokens"), logprobs=logprobs)
 
 
 def _str(outputs: dict, name: str) -> str:
@@ -278,13 +280,15 @@ class RouterModel(StreamingModel):
             self._reject(sender, str(exc))
             return
         room = random.getrandbits(62) + 1
-        wanted = tuple(request.requested_output_names()) or OUTPUTS
+        wanted = parsed.wanted(tuple(request.requested_output_names()))
         relay = Relay(room, ResponseStream(self.pb, sender, parsed, wanted, lambda _id: self._abort(room),
                                            self.latencies))
         with self.lock:
             self.relays[room] = relay
         child_inputs = {**inputs, "stream": np.array([True]), "exclude_input_in_output": np.array([True]),
-                        "bootstrap_room": np.array([room], dtype=np.uint64)}
+                        "bootstrap_room": np.array([room], dtype=np.uint64),
+                        # the children's logprobs (any convention) come back as the vLLM backend's JSON
+                        "return_logprobs": np.array([parsed.params.logprobs is not None])}
         self.threads.submit(self._run, relay, self.decode, child_inputs, True)
         self.threads.submit(self._run, relay, self.prefill, child_inputs, False)
 
