@@ -104,7 +104,7 @@ class EngineModel(StreamingModel):
                                     self._channel(parent, parameters))
             engine_request = self.engine.make_request(
                 ids, req.params, self._sink(stream), room=req.room,
-                request_id=None if req.room is None else room_request_id(req.room))
+                request_id=None if req.room is None else room_request_id(req.room), cache_salt=req.cache_salt)
         except InvalidRequest as exc:
             self._reject(sender, str(exc))
             return
@@ -217,10 +217,12 @@ class SendPool:
 
 
 class EngineMetrics:
-    """Engine gauges on Triton's metrics port (label: model)."""
+    """Engine gauges and counters on Triton's metrics port (label: model)."""
 
     GAUGES = {
         "kv_pages_free": "KV cache pages free",
+        "kv_pages_cached": "KV cache pages that hold a cached prompt prefix and no request holds (evicted when "
+                           "pages are needed); idle: free + cached = total",
         "kv_pages_total": "KV cache pages in the pool",
         "running": "requests in the running batch",
         "waiting": "requests waiting to be scheduled",
@@ -230,11 +232,17 @@ class EngineMetrics:
         "quarantined_pages": "KV pages held until the prefill side confirms no write is in flight (decode)",
         "dp_ranks_alive": "DP attention ranks running (dp_size > 1); fewer than dp_size: the model stopped serving",
     }
+    COUNTERS = {  # vLLM's prefix cache counters, counted in tokens
+        "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
+        "prefix_cache_hits": "prompt tokens found in the prefix cache (their KV was not computed again)",
+    }
 
     def __init__(self, pb, model: str, stats: dict):
         # A family must outlive its metrics, so both are kept; only this engine's stats get one.
-        self.families = {key: pb.MetricFamily(name=f"tandem_{key}", description=doc, kind=pb.MetricFamily.GAUGE)
-                         for key, doc in self.GAUGES.items() if key in stats}
+        kinds = {**{key: (doc, pb.MetricFamily.GAUGE) for key, doc in self.GAUGES.items()},
+                 **{key: (doc, pb.MetricFamily.COUNTER) for key, doc in self.COUNTERS.items()}}
+        self.families = {key: pb.MetricFamily(name=f"tandem_{key}", description=doc, kind=kind)
+                         for key, (doc, kind) in kinds.items() if key in stats}
         self.gauges = {key: family.Metric(labels={"model": model}) for key, family in self.families.items()}
         self.values: dict[str, float] = {}
 
@@ -244,9 +252,13 @@ class EngineMetrics:
         self.families.clear()
 
     def update(self, stats: dict) -> None:
-        """Sets the gauges whose value changed (each set is a round trip to the server)."""
-        for key, gauge in self.gauges.items():
+        """Sets the gauges whose value changed and moves the counters on by what they grew
+        (each call is a round trip to the server)."""
+        for key, metric in self.gauges.items():
             value = float(stats[key])
             if self.values.get(key) != value:
-                gauge.set(value)
+                if key in self.COUNTERS:
+                    metric.increment(value - self.values.get(key, 0.0))
+                else:
+                    metric.set(value)
                 self.values[key] = value

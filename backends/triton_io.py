@@ -48,7 +48,7 @@ FIXED_KEYS = {"n": (1, "Tandem returns one sequence per request"),
 LOGPROB_FLAGS = {"return_log_probs": ("output_log_probs", "cum_log_probs"),
                  "return_logprobs": ("logprobs",),
                  "return_cumulative_logprob": ("cumulative_logprob",)}
-OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
 # in every streamed response; the rest in the first and last
 PER_TOKEN_OUTPUTS = ("text_output", "output_ids", "output_log_probs", "cum_log_probs", "logprobs", "cumulative_logprob")
 
@@ -62,6 +62,7 @@ class GenerateRequest:
     chat: bool
     room: int | None = None   # bootstrap room, set by the router for prefill and decode
     logprob_outputs: tuple[str, ...] = ()   # the logprob outputs its flags turned on
+    cache_salt: bytes | None = None   # prompts of different salts never share cached KV (vLLM's name)
 
     def wanted(self, requested: tuple[str, ...]) -> tuple[str, ...]:
         """The outputs to send: those the client named, else the usual ones and those its flags turned on."""
@@ -202,12 +203,20 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
                            exclude_input=_flag(get, "exclude_input_in_output"),
                            chat=_flag(get, "apply_chat_template"),
                            room=None if room is None else int(_scalar(room, "bootstrap_room")),
-                           logprob_outputs=outputs)
+                           logprob_outputs=outputs, cache_salt=_salt(get("cache_salt")))
+
+
+def _salt(array: np.ndarray | None) -> bytes | None:
+    """The cache_salt input's bytes (an empty one is no salt)."""
+    if array is None:
+        return None
+    value = _scalar(array, "cache_salt")
+    return (value if isinstance(value, bytes) else str(value).encode()) or None
 
 
 def output_arrays(text: str, token_ids: list[int], finish_reason: str | None, num_input: int, num_output: int,
                   wanted: tuple[str, ...] = OUTPUTS, logprobs: list[dict] | None = None,
-                  cumulative: float = 0.0) -> dict[str, np.ndarray]:
+                  cumulative: float = 0.0, num_cached: int = 0) -> dict[str, np.ndarray]:
     """The response tensors, only those wanted. logprobs: the new tokens' (RequestOutput.logprobs),
     cumulative: the sum of every sampled token's logprob so far."""
     make = {
@@ -216,6 +225,7 @@ def output_arrays(text: str, token_ids: list[int], finish_reason: str | None, nu
         "finish_reason": lambda: np.array([(finish_reason or "").encode()], dtype=np.object_),
         "num_input_tokens": lambda: np.array([num_input], dtype=np.int32),
         "num_output_tokens": lambda: np.array([num_output], dtype=np.int32),
+        "num_cached_tokens": lambda: np.array([num_cached], dtype=np.int32),
         # TensorRT-LLM's: [beams = 1, new tokens] and [beams = 1]
         "output_log_probs": lambda: np.array([[d[t][0] for t, d in zip(token_ids, logprobs or ())]], dtype=np.float32),
         "cum_log_probs": lambda: np.array([cumulative], dtype=np.float32),

@@ -142,6 +142,7 @@ class ResponseStream:
                 return
             out = RequestOutput(out.request_id, "".join(self.text), self.ids, True, out.finish_reason,
                                 num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                                num_cached_tokens=out.num_cached_tokens,
                                 logprobs=self.logprobs if self.req.params.logprobs is not None else None)
         if self.channel is not None:
             return self._send_by_channel(out, final)
@@ -149,7 +150,8 @@ class ResponseStream:
         wanted = self.wanted if self.responses == 0 or out.finished else self.wanted_mid
         self.responses += 1
         arrays = output_arrays(text, out.token_ids, out.finish_reason, out.num_prompt_tokens,
-                               out.num_output_tokens, wanted, out.logprobs, self.cumulative)
+                               out.num_output_tokens, wanted, out.logprobs, self.cumulative,
+                               num_cached=out.num_cached_tokens)
         tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
         self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=final)
 

@@ -71,7 +71,7 @@ def test_constant_outputs_only_on_first_and_last_response(llm_server):
     events = list(stream_events(llm_server.grpc_url, "llm", build_inputs("Count to five.", max_tokens=8, chat=True)))
     outputs = [o for error, o in events if error is None]
     assert len(outputs) == len(events) >= 3
-    every = {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    every = {"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens"}
     assert set(outputs[0]) == every and set(outputs[-1]) == every
     assert all(set(o) == {"text_output", "output_ids"} for o in outputs[1:-1])
     assert int(outputs[0]["num_input_tokens"][0]) > 0 and outputs[-1]["finish_reason"][0] == b"length"

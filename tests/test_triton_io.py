@@ -84,7 +84,7 @@ def test_engine_gauges_set_only_when_changed():
     sets = []
 
     class Family:
-        GAUGE = "gauge"
+        GAUGE, COUNTER = "gauge", "counter"
 
         def __init__(self, name, description, kind):
             self.name = name

@@ -42,7 +42,8 @@ PARAMETERS = {
 # With the token channel, decode's BLS stream ends right after its last frame is written; the
 # frame may still be on its way through the channel's reader.
 CHANNEL_GRACE_S = 5.0
-CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs"]
+CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs",
+                 "num_cached_tokens"]
 
 
 class Retired:
@@ -142,6 +143,7 @@ class Relay:
         self.prefill_text = ""  # the text of the tokens prefill forwarded
         self.echoed = 0         # how much of it decode has sent again
         self.decoded = 0        # output tokens decode has sent
+        self.cached = 0         # prompt tokens prefill took from its prefix cache (prefill's outputs say)
         self.ended = threading.Event()  # the final response is sent (or no more may be)
         self.cancelled = False
 
@@ -152,11 +154,13 @@ class Relay:
     def from_prefill(self, out: RequestOutput) -> None:
         ids, text = out.token_ids, out.text
         with self.lock:
+            self.cached = max(self.cached, out.num_cached_tokens)
             if self.done or self.forwarded or not ids or not text:
                 return  # decode got there first, or the first token is not a whole character yet
             self.forwarded, self.prefill_text = len(ids), text
             self._send(RequestOutput(str(self.room), text, ids, num_prompt_tokens=out.num_prompt_tokens,
-                                     num_output_tokens=len(ids), logprobs=out.logprobs))
+                                     num_output_tokens=len(ids), logprobs=out.logprobs,
+                                     num_cached_tokens=self.cached))
 
     def from_decode(self, out: RequestOutput) -> None:
         """Forwards one decode output at once; the one with a finish reason is the last."""
@@ -177,7 +181,8 @@ class Relay:
                 self.ended.set()
             self._send(RequestOutput(str(self.room), text, ids, finished=final, finish_reason=reason or None,
                                      num_prompt_tokens=out.num_prompt_tokens,
-                                     num_output_tokens=out.num_output_tokens, logprobs=logprobs))
+                                     num_output_tokens=out.num_output_tokens, logprobs=logprobs,
+                                     num_cached_tokens=self.cached))
 
     def _cut_prefill_text(self, text: str) -> str:
         """Decode's text past what prefill already sent (both detokenize the same tokens alike)."""
@@ -211,7 +216,8 @@ def child_output(outputs: dict) -> RequestOutput:
     logprobs = parse_vllm_logprobs(_str(outputs, "logprobs")) if _str(outputs, "logprobs") else None
     return RequestOutput("", _str(outputs, "text_output"), ids, finish_reason=_str(outputs, "finish_reason") or None,
                          num_prompt_tokens=_int(outputs, "num_input_tokens"),
-                         num_output_tokens=_int(outputs, "num_output_tokens"), logprobs=logprobs)
+                         num_output_tokens=_int(outputs, "num_output_tokens"), logprobs=logprobs,
+                         num_cached_tokens=_int(outputs, "num_cached_tokens"))
 
 
 def _str(outputs: dict, name: str) -> str:
