@@ -3,9 +3,10 @@
 The model instance's stub process holds no engine. It starts `dp_size` rank processes
 (`python -m backends.dp_group`), each an `Engine` with its own scheduler, requests and KV
 pool, joined in one gloo group (backends.dp: attention per rank, the MLP split across
-them, every rank in every step). The stub checks and tokenizes each request, sends it to
-the rank with the fewest tokens still to compute, and relays the rank's outputs to the
-request's sink; an abort goes to the rank that holds the request.
+them, every rank in every step). The stub checks and tokenizes each request, sends it to a
+rank (`choose_rank`: where its prompt's prefix is likely cached, unless that rank has
+clearly more to compute than another), and relays the rank's outputs to the request's sink;
+an abort goes to the rank that holds the request.
 
 Each rank talks to the stub over two pipes (pickled messages, multiprocessing.connection):
 no port, and a rank's death is an end of file at once. A rank that dies takes the group
@@ -16,6 +17,7 @@ backend cannot mark a loaded model not ready, so the error and the gauge are the
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -54,6 +56,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def page_chain(prompt_ids: list[int], salt: bytes | None, page_size: int) -> list[int]:
+    """One hash per full page of the prompt, each over the one before it (the stub's own
+    record; ranks match by tokens, not by these)."""
+    chain, parent = [], hash(("salt", salt))
+    for start in range(0, len(prompt_ids) - page_size + 1, page_size):
+        parent = hash((parent, tuple(prompt_ids[start:start + page_size])))
+        chain.append(parent)
+    return chain
+
+
+class RankPrefixes:
+    """The pages of prompts a rank was sent, most recent last, at most as many as its pool
+    holds: a guess at its prefix cache (it evicts on its own), only to choose a rank."""
+
+    def __init__(self):
+        self.pages: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.capacity = 0
+
+    def matched(self, chain: list[int]) -> int:
+        """Leading pages of the chain this rank probably holds."""
+        count = 0
+        for page in chain:
+            if page not in self.pages:
+                break
+            count += 1
+        return count
+
+    def add(self, chain: list[int]) -> None:
+        for page in chain:
+            self.pages[page] = None
+            self.pages.move_to_end(page)
+        while len(self.pages) > self.capacity:
+            self.pages.popitem(last=False)
+
+
+def choose_rank(ranks: list["RankProcess"], chain: list[int], page_size: int) -> tuple["RankProcess", int]:
+    """The rank whose tokens to compute, this prompt's own included, are fewest: a rank that
+    holds its prefix saves those tokens, so a conversation stays on its rank unless that rank
+    is busier than another by more than the prefix is worth. (rank, tokens it holds)"""
+    held = [rank.prefixes.matched(chain) * page_size for rank in ranks]
+    best = min(range(len(ranks)), key=lambda i: ranks[i].load - held[i])   # the first of equals
+    return ranks[best], held[best]
+
+
 class RankProcess:
     """One rank's process, its two pipes and the stub's view of its load."""
 
@@ -73,6 +119,8 @@ class RankProcess:
         self.send((cfg, role, disagg, group_cores))
         self.stats: dict = {}
         self.load = 0                # tokens still to compute of the requests it holds
+        self.prefixes = RankPrefixes()
+        self.caches = cfg.caches_prefixes
         self.alive = True
 
     def send(self, message) -> None:
@@ -88,6 +136,7 @@ class RankProcess:
             raise RuntimeError(f"DP rank {self.rank} exited while loading (code {self.proc.wait()}); "
                                "its error is in the server log") from None
         self.stats = stats
+        self.prefixes.capacity = stats["kv_pages_total"] if self.caches else 0
         return description
 
     def send_quietly(self, message) -> None:
@@ -133,26 +182,28 @@ class DpGroup:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
                      sink: Callable[[RequestOutput], None], request_id: str | None = None,
-                     room: int | None = None) -> Request:
+                     room: int | None = None, cache_salt: bytes | None = None) -> Request:
         if self.failure is not None:
             raise InvalidRequest(self.failure)
         check_request(self.model_cfg, self.max_context, prompt_ids, params)
-        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, None, room)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, None, room, cache_salt)
 
     def submit(self, req: Request) -> None:
-        load = len(req.prompt_ids) + req.params.max_tokens
+        chain = page_chain(req.prompt_ids, req.cache_salt, self.cfg.page_size)
         with self.lock:
             if self.failure is not None:
                 req.sink(self._error(req.id, self.failure))
                 return
-            rank = min((r for r in self.ranks if r.alive), key=lambda r: r.load)  # fewest tokens to compute
+            rank, cached = choose_rank([r for r in self.ranks if r.alive], chain, self.cfg.page_size)
+            load = len(req.prompt_ids) - cached + req.params.max_tokens
             rank.load += load
+            rank.prefixes.add(chain)
             self.requests[req.id] = (req, rank, load)
-        rank.send_quietly(("add", req.id, req.prompt_ids, req.params, req.room))  # a dead rank: see _rank_died
+        rank.send_quietly(("add", req.id, req.prompt_ids, req.params, req.room, req.cache_salt))  # dead: _rank_died
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[RequestOutput], None],
-                 request_id: str | None = None, room: int | None = None) -> str:
-        req = self.make_request(prompt_ids, params, sink, request_id, room)
+                 request_id: str | None = None, room: int | None = None, cache_salt: bytes | None = None) -> str:
+        req = self.make_request(prompt_ids, params, sink, request_id, room, cache_salt)
         self.submit(req)
         return req.id
 
@@ -277,9 +328,9 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
         while True:
             message = inbox.recv()
             if message[0] == "add":
-                _, request_id, prompt_ids, params, room = message
+                _, request_id, prompt_ids, params, room, salt = message
                 try:
-                    engine.generate(prompt_ids, params, to_stub, request_id=request_id, room=room)
+                    engine.generate(prompt_ids, params, to_stub, request_id=request_id, room=room, cache_salt=salt)
                 except InvalidRequest as exc:  # checked by the stub already; a model mismatch lands here
                     send(("out", DpGroup._error(request_id, str(exc))))
             elif message[0] == "abort":

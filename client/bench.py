@@ -60,6 +60,8 @@ class Workload:
     requests: int           # per level; 0 = max(4, 2 x level)
     triton_backend: str     # genai-perf --backend for Tandem targets
     timeout_s: float
+    prefix_prompts: int = 0   # genai-perf's shared-prefix workload: this many prefixes, one before each prompt
+    prefix_length: int = 0    # tokens of each prefix
 
 
 def parse_target(spec: str) -> Target:
@@ -93,6 +95,8 @@ def genai_perf_cmd(t: Target, mode: str, level: float, w: Workload, seed: int, r
            # sending requests): warm-up is client.bench's own, see warm_up().
            "--warmup-request-count", "0", "--artifact-dir", run_dir,
            f"--{mode.replace('_', '-')}", _fmt(level)]
+    if w.prefix_prompts:
+        cmd += ["--num-prefix-prompts", str(w.prefix_prompts), "--prefix-prompt-length", str(w.prefix_length)]
     if t.kind == "triton":
         # --output-tokens-mean-deterministic sends min_length (TensorRT-LLM) / min_tokens (vLLM).
         cmd += ["--backend", w.triton_backend, "-u", t.url, "--output-tokens-mean-deterministic",
@@ -172,7 +176,8 @@ def base_row(t: Target, mode: str, level: float, w: Workload) -> dict:
     # Each row carries its workload, so that merged results stay self-describing.
     return {"target": t.name, "kind": t.kind, "url": t.url, "model": t.model, "extra": dict(t.extra), "mode": mode,
             "level": level, "requests": request_count(w, level),
-            "workload": {"input_tokens": w.input_tokens, "output_tokens": w.output_tokens, "seed": w.seed}}
+            "workload": {"input_tokens": w.input_tokens, "output_tokens": w.output_tokens, "seed": w.seed,
+                         "prefix_prompts": w.prefix_prompts, "prefix_length": w.prefix_length}}
 
 
 def _phase(log_path: str) -> str:
@@ -259,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--request-rate", type=float, nargs="+", help="request rates per second, instead")
     ap.add_argument("--input-tokens", type=int, default=128, help="prompt tokens, stddev 0 (default %(default)s)")
     ap.add_argument("--output-tokens", type=int, default=128, help="forced output tokens (default %(default)s)")
+    ap.add_argument("--num-prefix-prompts", type=int, default=0,
+                    help="genai-perf's shared-prefix workload: prefixes to pick from, one put before each prompt "
+                         "(default 0: none)")
+    ap.add_argument("--prefix-prompt-length", type=int, default=0, help="tokens of each prefix")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(4, 2 x level))")
     ap.add_argument("--warmup", type=int, default=2,
                     help="warm-up requests at once before a target's first level (default %(default)s)")
@@ -287,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "request_rate" if args.request_rate else "concurrency"
     levels = args.request_rate or args.concurrency or [1, 8, 16]
     w = Workload(args.input_tokens, args.output_tokens, os.path.abspath(args.tokenizer), args.seed,
-                 args.warmup, args.requests, args.triton_backend, args.timeout)
+                 args.warmup, args.requests, args.triton_backend, args.timeout, args.num_prefix_prompts,
+                 args.prefix_prompt_length)
     out_dir = os.path.abspath(args.out or os.path.join(ROOT, "artifacts", time.strftime("bench-%Y%m%d-%H%M%S")))
     os.makedirs(out_dir, exist_ok=True)
     rows = sweep(args.target, mode, levels, w, out_dir, args.check_tokens) if args.target else []
