@@ -11,7 +11,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from client.stream import stream_generate
+from client.stream import build_inputs, stream_events, stream_generate
 from tests.openai_service import OpenAIService
 from tests.server import DEFAULT_MODEL, ROOT, TritonServer, free_port
 from tests.test_router import disagg_parameters
@@ -141,6 +141,79 @@ def test_sampling_fields_reach_the_model(api, triton):
                                           max_tokens=24, temperature=0, stop=[word])
     assert stopped.choices[0].message.content == greedy[:greedy.index(word)]
     assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_penalties_and_min_p_reach_the_model(api, triton):
+    """OpenAI's penalties and vLLM's repetition_penalty / min_p, as the model's tensors: the same
+    text as over gRPC with those tensors, and not the plain greedy text (they took effect)."""
+    plain = stream_generate(triton.grpc_url, "llm", "Count: one, two, one, two,", max_tokens=24, temperature=0.0)
+    tensors = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3, "min_p": 0.05}
+    grpc = stream_generate(triton.grpc_url, "llm", "Count: one, two, one, two,", max_tokens=24, temperature=0.0,
+                           **{k: np.array([v], dtype=np.float32) for k, v in tensors.items()})
+    out = api.completions.create(model="llm", prompt="Count: one, two, one, two,", max_tokens=24, temperature=0,
+                                 presence_penalty=1.5, frequency_penalty=1.0,
+                                 extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    assert out.choices[0].text == grpc.text != plain.text
+
+
+def logprobs_over_grpc(url: str, model: str, prompt: str, max_tokens: int, top: int) -> list[dict]:
+    inputs = build_inputs(prompt, max_tokens=max_tokens, chat=True, temperature=0.0,
+                          return_logprobs=np.array([True]),
+                          sampling_parameters=np.array([json.dumps({"logprobs": top}).encode()], dtype=np.object_))
+    entries = []
+    for error, outputs in stream_events(url, model, inputs):
+        assert error is None, error
+        if "logprobs" in outputs:
+            entries += json.loads(outputs["logprobs"][0]) or []
+    return entries
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_are_the_models(api, triton, model, stream):
+    ref = logprobs_over_grpc(triton.grpc_url, model, QUESTION, 8, 3)
+    args = dict(model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0,
+                logprobs=True, top_logprobs=3)
+    if stream:
+        chunks = list(api.chat.completions.create(stream=True, **args))
+        content = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                   for c in chunk.choices[0].logprobs.content]
+    else:
+        content = api.chat.completions.create(**args).choices[0].logprobs.content
+    assert len(content) == len(ref) > 0
+    for got, entry in zip(content, ref):
+        [(own_id, own)] = list(entry.items())[:1]   # the sampled token's entry comes first
+        assert (got.token, got.logprob, got.bytes) == (own["decoded_token"], own["logprob"],
+                                                       list(own["decoded_token"].encode()))
+        top = sorted((v for v in entry.values() if 1 <= v["rank"] <= 3), key=lambda v: v["rank"])
+        assert [(t.token, t.logprob) for t in got.top_logprobs] == [(v["decoded_token"], v["logprob"]) for v in top]
+        assert len(got.top_logprobs) == 3 and got.top_logprobs[0].logprob == got.logprob   # greedy: the top one
+
+
+def test_completion_logprobs(api):
+    out = api.completions.create(model="llm", prompt="The capital of France is", max_tokens=6, temperature=0,
+                                 logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob == max(top.values()) and len(top) == 2
+
+
+def test_cache_salt_and_cached_tokens(api):
+    """usage.prompt_tokens_details.cached_tokens is the model's num_cached_tokens: a second request
+    with the same long prompt reuses its full KV pages; one with another cache_salt does not."""
+    messages = [{"role": "user", "content": "Summarize: " + " ".join(f"item {i} is blue." for i in range(40))}]
+    args = dict(model="llm", messages=messages, max_tokens=2, temperature=0)
+    first = api.chat.completions.create(**args, extra_body={"cache_salt": "a"}).usage
+    again = api.chat.completions.create(**args, extra_body={"cache_salt": "a"}).usage
+    other = api.chat.completions.create(**args, extra_body={"cache_salt": "b"}).usage
+    page = 16
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # whole pages of the prompt, never the page with its last token (it is computed, for logits)
+    assert again.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // page * page > 0
+    assert other.prompt_tokens_details.cached_tokens == 0
 
 
 def test_min_tokens_ignore_eos_and_max_completion_tokens(api):
