@@ -300,8 +300,7 @@ class DpGroup:
 # ---- the rank process ----------------------------------------------------------------
 def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> None:
     from backends.dp import join_group, make_rank
-    from backends.engine import Engine
-    from backends.role import make_role
+    from backends.engine import Engine, make_role
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s dp{rank} %(name)s %(levelname)s %(message)s")
     # A rank lives as long as its stub (it exits when the stub says stop or its pipe closes),
     # and like the stub it ignores the signals a terminal or a script sends the server's

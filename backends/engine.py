@@ -36,6 +36,26 @@ def tokenize(tokenizer, prompt: str, chat: bool = False) -> list[int]:
     return tokenizer(prompt, add_special_tokens=True).input_ids
 
 
+def disagg_config(role: str, params: dict[str, str]):
+    """The hand-off's settings of a prefill or decode model (None for colocated)."""
+    if role == "colocated":
+        return None
+    from backends.disagg.config import DisaggConfig
+    return DisaggConfig.from_params(params)
+
+
+def make_role(role: str, disagg) -> Role | None:
+    """The scheduler role of an engine model: None (colocated), prefill or decode. Here, where
+    the engine is assembled: the role interface (backends.role) knows no role but its own."""
+    if role == "colocated":
+        return None
+    if role == "prefill":
+        from backends.disagg.prefill import PrefillRole
+        return PrefillRole(disagg)
+    from backends.disagg.decode import DecodeRole
+    return DecodeRole(disagg)
+
+
 def refuse_dllm_settings(cfg: EngineConfig, role: Role | None) -> None:
     """What a block-diffusion checkpoint cannot be served with, refused before it loads."""
     if not ModelConfig.load(cfg.model_path).is_dllm:

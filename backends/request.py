@@ -125,7 +125,11 @@ class RequestOutput:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    TRANSFERRING = "transferring"  # held by a role: waiting for KV (decode) or shipping it (prefill)
+    # Held by a disaggregation role (backends.disagg), the hand-off's own states:
+    BOOTSTRAPPING = "bootstrapping"   # prefill: decode has not yet said where its KV goes
+    SHIPPING = "shipping"             # prefill: first token sampled, KV on its way to decode
+    PREALLOCATING = "preallocating"   # decode: waiting for the peer or for pages to receive into
+    RECEIVING = "receiving"           # decode: pages given, prefill's KV writes landing
     FINISHED = "finished"
 
 

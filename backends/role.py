@@ -81,21 +81,3 @@ class ColocatedRole:
     def close(self) -> None:
         pass
 
-
-def disagg_config(role: str, params: dict[str, str]):
-    """The hand-off's settings of a prefill or decode model (None for colocated)."""
-    if role == "colocated":
-        return None
-    from backends.disagg.config import DisaggConfig
-    return DisaggConfig.from_params(params)
-
-
-def make_role(role: str, disagg) -> Role | None:
-    """The scheduler role of an engine model: None (colocated), prefill or decode."""
-    if role == "colocated":
-        return None
-    if role == "prefill":
-        from backends.disagg.prefill import PrefillRole
-        return PrefillRole(disagg)
-    from backends.disagg.decode import DecodeRole
-    return DecodeRole(disagg)

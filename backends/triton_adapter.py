@@ -19,9 +19,8 @@ from concurrent.futures import wait as futures_wait
 
 from backends.config import EngineConfig
 from backends.parameters import refuse_unknown
-from backends.engine import Engine, InvalidRequest
+from backends.engine import Engine, InvalidRequest, disagg_config, make_role
 from backends.request import RequestOutput
-from backends.role import disagg_config, make_role
 from backends.triton_io import control_room, parse_request
 from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
 from backends.token_channel import Writer, Writers

@@ -65,7 +65,7 @@ class DecodeRole:
     def admit(self, req: Request) -> bool:
         if req.room is None:
             raise ValueError("a decode request needs a bootstrap room")
-        req.status = Status.TRANSFERRING
+        req.status = Status.PREALLOCATING
         self.prealloc.append(req)
         return True
 
@@ -134,6 +134,7 @@ class DecodeRole:
             req.admitted_at = time.monotonic()  # the transfer timeout counts from here
             self.meta[slot].zero_()
             self.transfer[req.room] = req
+            req.status = Status.RECEIVING
             self._send("dest", req.room, pages=req.pages, slot=slot, prompt_len=len(req.prompt_ids))
         for req in self.prealloc:
             if req.room not in self.announced:  # so that the prefill side waits for it as long as it takes

@@ -90,7 +90,7 @@ class PrefillRole:
     def admit(self, req: Request) -> bool:
         if req.room is None:
             raise ValueError("a prefill request needs a bootstrap room")
-        req.status = Status.TRANSFERRING
+        req.status = Status.BOOTSTRAPPING
         self.bootstrap[req.room] = req
         req.admitted_at = time.monotonic()
         if req.room in self.aborted:  # decode gave it up before it got here
@@ -119,7 +119,7 @@ class PrefillRole:
     def on_sampled(self, req: Request) -> bool:
         """First token sampled: stream it, then ship the request (once its destination is here)."""
         self.scheduler.leave(req)
-        req.status = Status.TRANSFERRING
+        req.status = Status.SHIPPING
         if req.output_ids[-1] not in self.scheduler.stop_ids(req):
             req.detok.add(req.output_ids[-1])
         self.scheduler.emit(req)
@@ -209,7 +209,7 @@ class PrefillRole:
             self.scheduler.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
         elif req.output_ids:
             self._ship(req)
-        elif req.status is Status.TRANSFERRING:
+        elif req.status is Status.BOOTSTRAPPING:
             self.scheduler.enqueue(req)
 
     def _ship(self, req: Request) -> None:
