@@ -6,6 +6,7 @@ same defaults (`python -m backends.config`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -26,7 +27,13 @@ class EngineConfig:
     role: str = field(default="colocated", metadata={"doc": "colocated, prefill or decode (set by each model)"})
     device: str = field(default="auto", metadata={
         "doc": "auto (cuda if present, else cpu; TANDEM_DEVICE overrides auto), cpu, cuda or cuda:N"})
-    dtype: str = field(default="auto", metadata={"doc": "auto (bf16 on cuda, fp32 on cpu; TANDEM_DTYPE overrides auto), float32, bfloat16 or float16"})
+    dtype: str = field(default="auto", metadata={
+        "doc": "auto (TANDEM_DTYPE overrides it): cuda bf16; cpu the checkpoint's own dtype where the CPU has "
+               "AVX-512 BF16 (a bf16 or fp16 checkpoint runs in bf16, an fp32 one in fp32), else fp32; float32, "
+               "bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations and KV"})
+    weights: str = field(default="auto", metadata={
+        "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: per-channel symmetric int8 weights, "
+               "fp32 activations and KV (cpu with AVX-512 BF16)"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})
@@ -89,6 +96,8 @@ class EngineConfig:
         if self.prefix_caching == "on" and self.role == "decode":
             raise ValueError("prefix_caching on: the decode role does not reuse prefixes (its KV comes whole from "
                              "prefill); use auto or off")
+        if self.weights not in ("auto", "int8"):
+            raise ValueError(f"weights must be auto or int8, got {self.weights!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         parse_cores(self.cpu_cores)
@@ -154,11 +163,20 @@ class EngineConfig:
         if name == "auto":
             # TANDEM_DTYPE pins `auto` too (TANDEM_DEVICE=cuda TANDEM_DTYPE=float32: the suite's
             # fp32 references hold on a GPU)
-            name = os.environ.get("TANDEM_DTYPE") or ("bfloat16" if self.torch_device.type == "cuda" else "float32")
+            name = os.environ.get("TANDEM_DTYPE") or ("bfloat16" if self.torch_device.type == "cuda"
+                                                      else cpu_auto_dtype(self.model_path))
         if name not in dtypes:
             what = "TANDEM_DTYPE" if self.dtype == "auto" else "dtype (or auto)"
             raise ValueError(f"{what} must be one of {list(dtypes)}, got {name!r}")
         return dtypes[name]
+
+    @property
+    def weights_kind(self) -> str:
+        """auto or int8, TANDEM_WEIGHTS pinning auto (one benchmark run can serve each kind)."""
+        name = self.weights if self.weights != "auto" else os.environ.get("TANDEM_WEIGHTS") or "auto"
+        if name not in ("auto", "int8"):
+            raise ValueError(f"TANDEM_WEIGHTS must be auto or int8, got {name!r}")
+        return name
 
     def step_budget(self, decodes: int) -> int:
         """The token budget of a step that has `decodes` running decodes. On CPU a prefill
@@ -195,6 +213,27 @@ class EngineConfig:
         if self.torch_device.type != "cpu":
             return False
         return self.core_turns == "on" or (self.core_turns == "auto" and self.role != "colocated")
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+def cpu_auto_dtype(model_path: str) -> str:
+    """`dtype auto` on a CPU: the checkpoint's own dtype, as vLLM follows it, where the CPU can run
+    bf16 (a bf16 or fp16 checkpoint in bf16); fp32 elsewhere, and for an fp32 checkpoint, whose
+    tokens then stay transformers' fp32 ones (docs/cpu.md)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return "float32"
+    own = raw.get("torch_dtype") or raw.get("dtype")
+    return "bfloat16" if own in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
 
 
 def parameter_table() -> str:

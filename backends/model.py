@@ -53,9 +53,11 @@ class LayerHook:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, weight_kind: str = "auto"):
+        self.linear = pick_linear(device, dtype, weight_kind)
+        # dtype is the weights'; a linear may keep the rest in another (bf16 or int8 weights, fp32 rows on a CPU)
+        self.weight_dtype, dtype = dtype, getattr(self.linear, "activation_dtype", dtype)
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.linear = pick_linear(device, dtype)
         self.ops = pick_ops(device, dtype)
         get = lambda name: weights.pop(name).to(device=device, dtype=dtype).contiguous()
         self.embed = get("model.embed_tokens.weight")
@@ -195,6 +197,7 @@ def load_weights(path: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+def load_model(path: str, device: torch.device, dtype: torch.dtype, weight_kind: str = "auto") -> LlamaModel:
+    """weight_kind: auto (weights in dtype) or int8 (kernels.linear)."""
     cfg = ModelConfig.load(path)
-    return LlamaModel(cfg, load_weights(path), device, dtype)
+    return LlamaModel(cfg, load_weights(path), device, dtype, weight_kind)

@@ -83,7 +83,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             os.sched_setaffinity(0, cfg.cores)   # the process: every thread it starts inherits it
             torch.set_num_threads(1)
-        self.model = model or load_model(cfg.model_path, self.device, self.dtype)
+        self.model = model or load_model(cfg.model_path, self.device, self.dtype, cfg.weights_kind)
+        self.dtype = self.model.dtype  # activations and KV: fp32 under bf16 weights on a CPU (kernels.linear)
         mc = self.model.cfg
         self.max_context = cfg.context_limit(mc.max_position)
         self.pool = KVManager(self._num_pages(), cfg.page_size)

@@ -3,7 +3,7 @@
 The model's per-op loop (backends.model) stays the reference and the path of GPUs,
 other dtypes and models with a qkv bias or q/k norms. The prefill side of a hand-off
 calls it once per layer group and posts the group's KV writes between calls. On a CPU
-in fp32 with the panel GEMM, the C layer ops and the paged attention kernel, this runs
+in fp32 with the panel GEMM (its fp32, bf16 or int8 weights: activations and KV stay fp32), the C layer ops and the paged attention kernel, this runs
 the same kernels in the same order without the Python between them (see decoder.c for
 the why and the numbers).
 """
@@ -14,19 +14,20 @@ import ctypes
 import torch
 
 from kernels import cbuild
+from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class DecoderShape(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("rows", "hidden", "layers", "heads", "kv_heads", "dim", "inter",
-                                          "page_size", "max_pages")] + [("eps", _f32), ("scale", _f32)]
+                                          "page_size", "max_pages", "weights")] + [("eps", _f32), ("scale", _f32)]
 
 
 # shape, residual, weights, cos, signed_sin, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens,
-# x, qkv, attn, h, gate_up, act
+# x, qkv, attn, h, gate_up, act, xb
 ARGTYPES = (ctypes.POINTER(DecoderShape), _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
+            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
 SIGNATURES = {"decoder_layers_f32": ARGTYPES}
 
 
@@ -37,6 +38,7 @@ class CpuDecoder:
         cfg = model.cfg
         self._kernel = cbuild.load("decoder", SIGNATURES).decoder_layers_f32
         self.cfg, self.scale = cfg, model.scale
+        self.weights_kind = getattr(model.linear, "kind", 0)  # decoder.c's: 0 fp32, 1 bf16, 2 int8 panels
         # The weights' addresses, six a layer in the order decoder.c reads them; the model keeps them alive.
         self.weights = torch.tensor([t.data_ptr() for w in model.layers for t in (
             w.input_norm, w.qkv.panels, w.o_proj.panels, w.post_norm, w.gate_up.panels, w.down.panels)],
@@ -54,19 +56,22 @@ class CpuDecoder:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         x, qkv, attn, h = empty(c.hidden_size), empty(q_size + 2 * kv_size), empty(q_size), empty(c.hidden_size)
         gate_up, act = empty(2 * c.intermediate_size), empty(c.intermediate_size)
+        xb = torch.empty(rows * -(-max(c.hidden_size, q_size, c.intermediate_size) // 2) if self.weights_kind else 1,
+                         dtype=torch.int32)
         shape = DecoderShape(rows, c.hidden_size, len(layers), c.num_heads, c.num_kv_heads, c.head_dim,
-                             c.intermediate_size, kv.shape[3], plan.pages.shape[1], c.rms_norm_eps, self.scale)
+                             c.intermediate_size, kv.shape[3], plan.pages.shape[1], self.weights_kind,
+                             c.rms_norm_eps, self.scale)
         weights = self.weights.data_ptr() + layers.start * 6 * self.weights.element_size()
         kv_start = kv.data_ptr() + layers.start * kv.stride(0) * kv.element_size()
         rc = self._kernel(ctypes.byref(shape), residual.data_ptr(), weights, cos.data_ptr(),
                           signed_sin.data_ptr(), kv_start, kv.stride(0), kv.stride(1),
                           plan.meta.slot_mapping.data_ptr(), plan.pages.data_ptr(), plan.seqs.data_ptr(),
                           plan.lens.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), h.data_ptr(),
-                          gate_up.data_ptr(), act.data_ptr())
+                          gate_up.data_ptr(), act.data_ptr(), xb.data_ptr())
         if rc == -2:
             raise MemoryError("paged attention: no memory for the scores buffer")
         if rc != 0:
-            raise RuntimeError("decoder_layers_f32 was built without AVX-512")
+            raise RuntimeError("decoder_layers_f32 was built without AVX-512 (or AVX-512 BF16 for bf16 and int8 weights)")
         return h
 
 
@@ -74,10 +79,8 @@ def pick_decoder(model, attn) -> CpuDecoder | None:
     """The one-call decoder where every op it runs is the C kernel the per-op loop would run."""
     from kernels.cpu_backend import CpuAttention
     from kernels.layer_ops import CpuOps
-    from kernels.linear import PanelLinear
-
     cfg = model.cfg
-    if not (isinstance(model.linear, PanelLinear) and isinstance(model.ops, CpuOps)
+    if not (isinstance(model.linear, (PanelLinear, Bf16PanelLinear, Int8PanelLinear)) and isinstance(model.ops, CpuOps)
             and isinstance(attn, CpuAttention)) or cfg.qkv_bias or cfg.qk_norm:
         return None
     if not cbuild.available("decoder", SIGNATURES):

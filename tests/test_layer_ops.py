@@ -82,4 +82,4 @@ def test_non_contiguous_inputs_take_the_torch_path():
 def test_pick_ops():
     assert pick_ops(torch.device("cpu"), torch.float32).name == "cpu"
     assert pick_ops(torch.device("cpu"), torch.bfloat16).name == "torch"
-    assert pick_ops(torch.device("cuda"), torch.float32).name == "torch"
+    assert pick_ops(torch.device("cuda"), torch.float32).name == "triton"  # kernels.triton_ops

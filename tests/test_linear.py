@@ -7,6 +7,7 @@ import torch
 from kernels.linear import PANEL, OnednnLinear, PanelLinear, TorchLinear, pick_linear
 
 HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read()
+HAS_AVX512_BF16 = "avx512_bf16" in open("/proc/cpuinfo").read()
 needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="panel GEMM needs AVX-512")
 
 
@@ -60,6 +61,6 @@ def test_onednn_and_torch_match_fp64():
 
 def test_pick_linear():
     assert pick_linear(torch.device("cuda"), torch.float32).name == "torch"
-    assert pick_linear(torch.device("cpu"), torch.bfloat16).name == "onednn"
+    assert pick_linear(torch.device("cpu"), torch.bfloat16).name == ("panel-bf16" if HAS_AVX512_BF16 else "onednn")
     assert pick_linear(torch.device("cpu"), torch.float16).name == "torch"
     assert pick_linear(torch.device("cpu"), torch.float32).name == ("panel" if HAS_AVX512 else "onednn")

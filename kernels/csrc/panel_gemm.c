@@ -100,12 +100,173 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
     return 0;
 }
 
+#ifdef __AVX512BF16__
+/* The same for bf16 or int8 weights: panels of 48 columns, each [K2][48][2] (K2 = ceil(K / 2), k
+ * in pairs, the odd last k zero-padded), so a step of k2 is 16 columns x 2 k per vdpbf16ps
+ * operand, three of them: 192 bytes in bf16 (as a step of k in fp32), 96 in int8. The rows are
+ * rounded to bf16 (nearest even) once per call; int8 weights become bf16 in registers (exactly:
+ * |q| <= 127 has 7 significant bits) and their panel's per-column scales multiply the sums at
+ * the end. Every product of two bf16 is exact in fp32 and the sums are fp32, as oneDNN's bf16
+ * inner product does. */
+static inline __attribute__((always_inline)) __m512bh load_pairs(const char *w, int i8)
+{
+    if (!i8)
+        return (__m512bh)_mm512_loadu_si512(w);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* step: bytes of one k2 step of a panel (192 bf16, 96 int8); w points at the panel. */
+static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb, int64_t k2_dim, const char *w,
+                                                            int i8, int64_t n, int64_t k0, int64_t k1,
+                                                            int64_t cols, int rows, int64_t ahead, float *y)
+{
+    const int64_t step = i8 ? 2 * PANEL : 4 * PANEL, part = step / 3;
+    __m512 acc[ROWS][3];
+    const __mmask16 mask[3] = {
+        cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1),
+        cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1),
+        cols >= 48 ? 0xFFFF : cols <= 32 ? 0 : (__mmask16)((1u << (cols - 32)) - 1)};
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+    const char *wk = w + k0 * step;
+    for (int64_t k = k0; k < k1; k++, wk += step) {
+        for (int64_t b = 0; b < step; b += 64)
+            _mm_prefetch(wk + ahead * step + b, _MM_HINT_T0);
+        const __m512bh w0 = load_pairs(wk, i8), w1 = load_pairs(wk + part, i8), w2 = load_pairs(wk + 2 * part, i8);
+        for (int m = 0; m < rows; m++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[m * k2_dim + k]);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xv, w1);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
+}
+
+#define TILE_CASES(I8)                                                                                  \
+    switch (m_dim - row < ROWS ? m_dim - row : ROWS) {                                                  \
+    case 1: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 1, ahead, yr); break;                        \
+    case 2: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 2, ahead, yr); break;                        \
+    case 3: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 3, ahead, yr); break;                        \
+    case 4: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 4, ahead, yr); break;                        \
+    case 5: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 5, ahead, yr); break;                        \
+    case 6: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 6, ahead, yr); break;                        \
+    case 7: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 7, ahead, yr); break;                        \
+    default: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 8, ahead, yr); break;                       \
+    }
+
+/* One panel, all rows, as panel() does; scale: the panel's column scales (int8), or NULL. */
+static void panel_pairs(const uint32_t *xb, const char *w, const float *scale, int64_t m_dim, int64_t n,
+                        int64_t k2_dim, int64_t col, float *y)
+{
+    const int64_t cols = n - col < PANEL ? n - col : PANEL;
+    const int64_t kblock = m_dim > ROWS ? KBLOCK : k2_dim;
+    for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
+        const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
+        for (int64_t row = 0; row < m_dim; row += ROWS) {
+            const int64_t ahead = row == 0 ? 8 : kblock; /* in k2 steps, as panel() */
+            const uint32_t *xr = xb + row * k2_dim;
+            float *yr = y + row * n + col;
+            if (scale) {
+                TILE_CASES(1)
+            } else {
+                TILE_CASES(0)
+            }
+        }
+    }
+    if (scale)
+        for (int64_t m = 0; m < m_dim; m++)
+            for (int64_t j = 0; j < cols; j++)
+                y[m * n + col + j] *= scale[j];
+}
+
+/* The rows in bf16 pairs: xb [M, K2] uint32, zero past k_dim. */
+static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xb)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < m_dim; m++) {
+        uint16_t *row = (uint16_t *)(xb + m * k2_dim);
+        for (int64_t k = 0; k < 2 * k2_dim; k += 16) { /* the tail's loads are masked, the pad zero */
+            const __mmask16 in = k_dim - k >= 16 ? 0xFFFF : (__mmask16)((1u << (k_dim - k)) - 1);
+            const __mmask16 out = 2 * k2_dim - k >= 16 ? 0xFFFF : (__mmask16)((1u << (2 * k2_dim - k)) - 1);
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, x + m * ldx + k));
+            _mm256_mask_storeu_epi16(row + k, out, v);
+        }
+    }
+}
+
+static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *scale, int64_t m_dim, int64_t n,
+                      int64_t k_dim, float *y, uint32_t *xb)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = PANEL * 2 * k2_dim * (scale ? 1 : 2);
+#pragma omp parallel
+    {
+        rows_to_bf16(x, ldx, m_dim, k_dim, xb);
+#pragma omp for schedule(dynamic)
+        for (int64_t p = 0; p < panels; p++)
+            panel_pairs(xb, w + p * panel_bytes, scale ? scale + p * PANEL : NULL, m_dim, n, k2_dim, p * PANEL, y);
+    }
+    return 0;
+}
+
+/* x fp32 [M, K] (row stride ldx), w bf16 panels as above, y fp32 [M, N]. xb: M * ceil(K / 2)
+ * uint32 of the caller's scratch for the rows in bf16 pairs. */
+int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                    float *y, uint32_t *xb)
+{
+    return gemm_pairs(x, ldx, (const char *)w, NULL, m_dim, n, k_dim, y, xb);
+}
+
+/* The same for int8 panels, followed in the same buffer by the fp32 scale of every column
+ * (N rounded up to 48): y[m, j] = scale[j] * sum_k bf16(x[m, k]) q[j, k]. */
+int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
+                  uint32_t *xb)
+{
+    const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
+    const float *scale = (const float *)(w + panels * PANEL * 2 * k2_dim);
+    return gemm_pairs(x, ldx, (const char *)w, scale, m_dim, n, k_dim, y, xb);
+}
+#else
+int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                    float *y, uint32_t *xb)
+{
+    (void)x, (void)ldx, (void)w, (void)m_dim, (void)n, (void)k_dim, (void)y, (void)xb;
+    return -1;
+}
+int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
+                  uint32_t *xb)
+{
+    (void)x, (void)ldx, (void)w, (void)m_dim, (void)n, (void)k_dim, (void)y, (void)xb;
+    return -1;
+}
+#endif
+
 #else
 /* Built without AVX-512: returns -1 and the caller keeps oneDNN. */
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                    float *y)
 {
     (void)x, (void)ldx, (void)w, (void)m_dim, (void)n, (void)k_dim, (void)y;
+    return -1;
+}
+
+int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                    float *y, uint32_t *xb)
+{
+    (void)x, (void)ldx, (void)w, (void)m_dim, (void)n, (void)k_dim, (void)y, (void)xb;
+    return -1;
+}
+int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
+                  uint32_t *xb)
+{
+    (void)x, (void)ldx, (void)w, (void)m_dim, (void)n, (void)k_dim, (void)y, (void)xb;
     return -1;
 }
 #endif

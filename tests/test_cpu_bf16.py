@@ -1,0 +1,232 @@
+"""bf16 and int8 weights on the CPU path (`dtype: bfloat16`, `weights: int8` on cpu): the panel
+GEMMs against an exact reference, and every tiny architecture's engine against the fp32 engine
+the way `make gpu-check` checks CUDA bf16: greedy ids equal wherever fp32's top-2 margin
+exceeds twice the measured error (here measured at each position), first-step logits within
+twice it (plus 0.1 % of their scale). The error is measured per kind on transformers' own forward against its fp32 one:
+bf16 that model in bf16; int8 the fp32 model with every matmul weight rounded per channel to
+int8 and back (the lm_head untied from the embedding, which the engine keeps as it is)."""
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from backends.config import EngineConfig
+from client import gpu_check
+from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
+from kernels import cbuild
+from kernels.decoder import CpuDecoder
+from kernels.linear import SIGNATURES, Bf16PanelLinear, Int8PanelLinear, pack_bf16, pack_int8
+from tests.checkpoints import configs
+
+ARCHS = sorted(configs())
+
+
+def bf16_runs_here() -> bool:
+    return cbuild.available("panel_gemm", SIGNATURES) and Bf16PanelLinear().runs_here()
+
+
+needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has no AVX-512 BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (3, 96, 64), (8, 100, 31), (9, 48, 130), (17, 1000, 576),
+                                          (130, 50, 1536)])
+def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp):
+    """Every product of the rounded row and weight exactly, summed in fp32: within fp32's
+    summation error of the fp64 sum of the same bf16 values; rows with a stride and a bias."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, inp + 5, generator=gen)[:, 2:2 + inp]
+    w, bias = torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
+    lin = Bf16PanelLinear()
+    y = lin(x, lin.prepare(w), bias)
+    want = x.bfloat16().double() @ w.bfloat16().double().T + bias.double()
+    scale = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
+    assert y.dtype == torch.float32 and y.shape == (rows, out)
+    assert ((y.double() - want).abs() <= inp * 2 ** -23 * scale + 1e-6).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (8, 100, 31), (17, 1000, 576), (130, 50, 1536)])
+def test_int8_panel_gemm_is_the_scaled_int8_product(rows, out, inp):
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen)
+    w[3] = 0  # an all-zero row: its scale must not divide by zero
+    lin = Int8PanelLinear()
+    y = lin(x, lin.prepare(w))
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = (w / scale[:, None]).round().clamp(-127, 127)
+    assert (q.abs() == 127).any(dim=1)[:3].all()  # every nonzero row reaches the full range
+    xb = x.bfloat16().double()
+    want = (xb @ q.double().T) * scale.double()
+    bound = inp * 2 ** -23 * (xb.abs() @ q.double().abs().T) * scale.double() + 1e-6
+    assert ((y.double() - want).abs() <= bound).all()
+    assert (y[:, 3] == 0).all()
+
+
+def test_int8_pack_holds_the_scales_after_the_panels():
+    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3.0, 1.0, -1.0]])
+    packed = pack_int8(w)
+    panel_bytes = 1 * 2 * 48 * 2  # one panel, K2 = 2, 48 columns, 2 k
+    q = packed.panels[:panel_bytes].view(torch.int8).view(1, 2, 48, 2)
+    scales = packed.panels[panel_bytes:].view(torch.float32)
+    assert scales.shape == (48,) and scales[0].item() == pytest.approx(2 / 127) and scales[1] > 0
+    assert q[0, 0, 0].tolist() == [64, -127] and q[0, 1, 2].tolist() == [-42, 0] and q[0, 0, 1].tolist() == [0, 0]
+
+
+def test_bf16_pack_layout():
+    """Panels of 48 outputs, k in pairs: element [p, k // 2, j, k % 2] is w[48 p + j, k]."""
+    w = torch.arange(50 * 5, dtype=torch.float32).view(50, 5)
+    packed = pack_bf16(w)
+    assert packed.panels.shape == (2, 3, 48, 2) and packed.out_features == 50
+    assert packed.panels[1, 1, 0, 1].item() == w[48, 3].item()
+    assert packed.panels[0, 2, 7, 1].item() == 0 and packed.panels[1, 0, 2, 0].item() == 0  # odd k, past out
+
+
+@needs_bf16
+def test_dtype_bfloat16_on_cpu_gets_bf16_weights_fp32_activations_and_the_fused_decoder(checkpoint):
+    from backends.engine import Engine
+    eng = Engine(EngineConfig(model_path=checkpoint("llama"), device="cpu", dtype="bfloat16", num_pages=16))
+    model = eng.runner.model
+    assert isinstance(model.linear, Bf16PanelLinear) and model.weight_dtype == torch.bfloat16
+    assert model.dtype == torch.float32 and eng.runner.kv.dtype == torch.float32
+    assert model.layers[0].qkv.panels.dtype == torch.bfloat16 and model.lm_head.panels.dtype == torch.bfloat16
+    assert isinstance(model.decoder, CpuDecoder) and model.decoder.weights_kind == 1
+    assert model.greedy_head is None  # the bf16 head is itself half the fp32 stream: full logits, argmax
+
+
+@needs_bf16
+def test_weights_int8_gets_the_int8_panels_and_the_fused_decoder(checkpoint):
+    from backends.engine import Engine
+    eng = Engine(EngineConfig(model_path=checkpoint("mistral"), device="cpu", weights="int8", num_pages=16))
+    model = eng.runner.model
+    assert isinstance(model.linear, Int8PanelLinear) and model.dtype == torch.float32
+    assert model.layers[0].down.panels.dtype == torch.uint8 and model.lm_head.panels.dtype == torch.uint8
+    assert isinstance(model.decoder, CpuDecoder) and model.decoder.weights_kind == 2
+
+
+def test_weights_is_checked_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="weights must be auto or int8, got 'int4'"):
+        EngineConfig(weights="int4")
+    monkeypatch.setenv("TANDEM_WEIGHTS", "q8")
+    with pytest.raises(ValueError, match="TANDEM_WEIGHTS.*'q8'"):
+        EngineConfig().weights_kind
+    monkeypatch.setenv("TANDEM_WEIGHTS", "int8")
+    assert EngineConfig().weights_kind == "int8" and EngineConfig(weights="auto").weights_kind == "int8"
+
+
+def test_dtype_auto_on_cpu_follows_the_checkpoint_where_the_cpu_has_bf16(tmp_path, monkeypatch):
+    import json
+
+    from backends import config
+    monkeypatch.delenv("TANDEM_DTYPE", raising=False)
+    for own, bf16_cpu, want in [("bfloat16", True, torch.bfloat16), ("float16", True, torch.bfloat16),
+                                ("float32", True, torch.float32), ("bfloat16", False, torch.float32)]:
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": own}))
+        monkeypatch.setattr(config, "cpu_has_bf16", lambda: bf16_cpu)
+        assert EngineConfig(model_path=str(tmp_path), device="cpu").torch_dtype == want, (own, bf16_cpu)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+    return AutoTokenizer.from_pretrained(checkpoint("llama"))
+
+
+def int8_reference(model):
+    """model (fp32, transformers) with each matmul weight rounded per channel to int8 and back."""
+    import torch.nn as nn
+    with torch.no_grad():
+        if model.lm_head.weight is model.get_input_embeddings().weight:
+            model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                w = module.weight
+                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+                w.copy_((w / scale).round().clamp(-127, 127) * scale)
+    return model
+
+
+def compare(path: str, tokenizer, batch: list[list[int]] | None = None, **knobs) -> tuple[str, dict]:
+    """'' when the CPU engine with `knobs` agrees with the fp32 engine over `batch` (default
+    gpu_check's prompts), else what differs; and the figures (errors, tokens decided)."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.request import SamplingParams
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    batch = batch or prompts()
+    want_ids = greedy(gpu_check.engine(path, tokenizer, "cpu", "float32"), batch, params)
+    eng = gpu_check.engine(path, tokenizer, "cpu", "float32" if knobs.get("weights") == "int8" else "bfloat16",
+                           **knobs)
+    got_logits = first_logits(eng, batch[-1])
+    got_ids = greedy(eng, batch, params)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if knobs.get("weights") == "int8":
+        low = int8_reference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+    else:
+        low = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    problems, decided = [], 0
+    for prompt, want, got in zip(batch, want_ids, got_ids):
+        ids = torch.tensor([prompt + want])
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(prompt) - 1:-1]
+            err = (low(ids).logits[0, len(prompt) - 1:-1].float() - logits).abs().amax(dim=-1)  # per position
+        top2 = logits.topk(2, dim=-1).values
+        for pos, (w, g) in enumerate(zip(want, got)):
+            if top2[pos, 0] - top2[pos, 1] <= 2 * err[pos]:
+                break  # undecided at this precision from here on
+            decided += 1
+            if w != g:
+                problems.append(f"prompt of {len(prompt)}: token {pos} is {g}, fp32 says {w}")
+                break
+    ids = torch.tensor([batch[-1]])
+    with torch.no_grad():
+        want_logits = ref(ids).logits[0, -1]
+        low_err = (low(ids).logits[0, -1].float() - want_logits).abs().max().item()
+    err, scale = (got_logits - want_logits).abs().max().item(), want_logits.abs().max().item()
+    if err > 2 * low_err + 1e-3 * scale:
+        problems.append(f"first-step logits differ by {err:.3f}, allowed {2 * low_err + 1e-3 * scale:.3f}")
+    figures = {"engine_err": err, "measured_err": low_err, "decided": decided,
+               "equal_all": sum(a == b for w, g in zip(want_ids, got_ids) for a, b in zip(w, g))}
+    print(f"  {os.path.basename(path)} {knobs}: {figures}", flush=True)
+    return "; ".join(problems), figures
+
+
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",
+         "Once upon a time, in a small village,", "The three primary colors are"]
+KINDS = {"bf16": {}, "int8": {"weights": "int8"}}  # the engine's knobs besides its dtype
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_agrees_with_the_fp32_engine(arch, kind, checkpoint, tokenizer):
+    problems, _ = compare(checkpoint(arch), tokenizer, **KINDS[kind])
+    assert problems == "", problems
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_engine_agrees_with_the_fp32_engine_on_the_default_model(kind, default_model):
+    """The tiny random checkpoints have small top-2 margins (few tokens are decided at bf16's
+    error, none at int8's on some); the default model on text decides more of them."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    batch = [tokenizer(text).input_ids for text in TEXTS]
+    problems, figures = compare(default_model, tokenizer, batch, **KINDS[kind])
+    assert problems == "", problems
+    assert figures["decided"] >= 1
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_comparison_fails_when_the_kernel_reads_its_weights_wrong(kind, checkpoint, tokenizer, monkeypatch):
+    """The k pairs packed swapped (each weight multiplies its neighbour's input): the check
+    must see it."""
+    import kernels.linear as linear
+    real = linear.pack_bf16
+
+    def swapped(weight):
+        packed = real(weight)
+        return linear.PackedWeight(packed.panels.flip(-1).contiguous(), packed.out_features)
+
+    monkeypatch.setattr(linear, "pack_bf16", swapped)
+    assert compare(checkpoint("llama"), tokenizer, **KINDS[kind])[0] != ""
