@@ -137,7 +137,9 @@ class Engine:
 
     def describe(self) -> str:
         runner = self.runner
-        return (f"{self.cfg.model_path}, {runner.device}, {runner.dtype}, attention {runner.attention_backend}, "
+        weights = f"{runner.model.weight_dtype} weights" if runner.model.linear.name != "panel-int8" else "int8 weights"
+        return (f"{self.cfg.model_path}, {runner.device}, {weights} ({runner.model.linear.name}), {runner.dtype} "
+                f"activations, attention {runner.attention_backend}, "
                 f"{runner.pool.num_pages} KV pages of {self.cfg.page_size} tokens")
 
     # ---- the loop thread -----------------------------------------------------------

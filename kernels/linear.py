@@ -5,6 +5,9 @@ computes x @ weight.T (+ bias). On an AVX-512 CPU in fp32 that is the panel GEMM
 csrc/panel_gemm.c (its header has the why and the numbers); elsewhere on a CPU it is
 oneDNN's inner product (AVX-512 by ISA on AMD, where MKL takes its AVX2 path), and
 F.linear on a GPU. All of them are full fp32: error against fp64 ~1e-6 relative.
+bf16 weights on a CPU with AVX-512 BF16, and int8 weights (weights int8), are the same
+panel GEMM's bf16 and int8 forms under fp32 rows (docs/cpu.md: what was measured against
+oneDNN's bf16 inner product and torch's int8 weight-only matmul).
 """
 from __future__ import annotations
 
