@@ -123,22 +123,22 @@ def test_multi_turn_chat_uses_the_chat_template(api, tokenizer):
 
 def test_sampling_fields_reach_the_model(api, triton):
     """seed, temperature, top_p, top_k, stop as the model takes them over gRPC: same text."""
-    grpc = stream_generate(triton.grpc_url, "llm", QUESTION, max_tokens=24, chat=True, temperature=0.9,
+    grpc = stream_generate(triton.grpc_url, "llm", QUESTION, max_tokens=12, chat=True, temperature=0.9,
                            top_p=np.array([0.95], dtype=np.float32), top_k=np.array([40], dtype=np.int32),
                            seed=np.array([1234], dtype=np.uint64))
-    out = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": QUESTION}], max_tokens=24,
+    out = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
                                       temperature=0.9, top_p=0.95, seed=1234, extra_body={"top_k": 40})
     assert out.choices[0].message.content == grpc.text
     # Omitted temperature is OpenAI's default, 1 (the checkpoint's generation_config sets none).
-    grpc1 = stream_generate(triton.grpc_url, "llm", QUESTION, max_tokens=24, chat=True, temperature=1.0,
+    grpc1 = stream_generate(triton.grpc_url, "llm", QUESTION, max_tokens=12, chat=True, temperature=1.0,
                             seed=np.array([99], dtype=np.uint64))
     out1 = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": QUESTION}],
-                                       max_tokens=24, seed=99)
+                                       max_tokens=12, seed=99)
     assert out1.choices[0].message.content == grpc1.text
-    greedy = stream_generate(triton.grpc_url, "llm", QUESTION, max_tokens=24, chat=True, temperature=0.0).text
+    greedy = stream_generate(triton.grpc_url, "llm", QUESTION, max_tokens=12, chat=True, temperature=0.0).text
     word = greedy.split()[3]
     stopped = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": QUESTION}],
-                                          max_tokens=24, temperature=0, stop=[word])
+                                          max_tokens=12, temperature=0, stop=[word])
     assert stopped.choices[0].message.content == greedy[:greedy.index(word)]
     assert stopped.choices[0].finish_reason == "stop"
 
@@ -218,11 +218,11 @@ def test_cache_salt_and_cached_tokens(api):
 
 def test_min_tokens_ignore_eos_and_max_completion_tokens(api):
     out = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": "Say hi."}], temperature=0,
-                                      max_completion_tokens=40, extra_body={"min_tokens": 40})
-    assert out.usage.completion_tokens == 40 and out.choices[0].finish_reason == "length"
+                                      max_completion_tokens=20, max_tokens=5, extra_body={"min_tokens": 20})
+    assert out.usage.completion_tokens == 20 and out.choices[0].finish_reason == "length"
     out = api.chat.completions.create(model="llm", messages=[{"role": "user", "content": "Say hi."}], temperature=0,
-                                      max_tokens=30, extra_body={"ignore_eos": True})
-    assert out.usage.completion_tokens == 30
+                                      max_tokens=16, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
 
 
 def test_completion_echo(api, triton):
