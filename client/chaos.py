@@ -9,8 +9,8 @@ bad sampling_parameters JSON, over-long prompt, negative max_tokens). Then check
     prompt run alone first, greedy, against the same server;
   - text a cancelled or dropped request received is a prefix of that reference;
   - every malformed request got an error that names the problem, and no tokens;
-  - the KV pools of all engines on the server are full again, nothing runs or waits
-    (tandem_kv_pages_free == tandem_kv_pages_total for every model label);
+  - no request holds a KV page of any engine on the server, nothing runs or waits
+    (tandem_kv_pages_free + tandem_kv_pages_cached == tandem_kv_pages_total for every model label);
   - the server is still ready (HTTP /v2/health/ready) and answers a request right.
 Exit code 0 when all hold, 1 otherwise.
 """
@@ -201,7 +201,7 @@ def check_job(job: Job, out: Outcome, ref: StreamResult) -> str | None:
 
 
 def engine_gauges(metrics_url: str) -> dict[str, dict[str, float]]:
-    """{model: {kv_pages_free, kv_pages_total, running, waiting}} from Tandem's gauges."""
+    """{model: {kv_pages_free, kv_pages_cached, kv_pages_total, running, waiting}} from Tandem's gauges."""
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         text = resp.read().decode()
     out: dict[str, dict[str, float]] = {}
@@ -211,12 +211,14 @@ def engine_gauges(metrics_url: str) -> dict[str, dict[str, float]]:
 
 
 def wait_idle(metrics_url: str, timeout_s: float) -> tuple[bool, dict]:
-    """True once every engine's KV pool is full and nothing runs or waits."""
+    """True once no request holds a KV page of any engine (each page free, or cached for a
+    later prompt) and nothing runs or waits."""
     deadline = time.time() + timeout_s
     while True:
         gauges = engine_gauges(metrics_url)
-        idle = bool(gauges) and all(g.get("kv_pages_free") == g.get("kv_pages_total") and
-                                    not g.get("running") and not g.get("waiting") for g in gauges.values())
+        unheld = lambda g: g.get("kv_pages_free", 0) + g.get("kv_pages_cached", 0) == g.get("kv_pages_total", 0)
+        idle = bool(gauges) and all(unheld(g) and not g.get("running") and not g.get("waiting")
+                                    for g in gauges.values())
         if idle or time.time() > deadline:
             return idle, gauges
         time.sleep(0.2)
@@ -275,6 +277,7 @@ def report(args, jobs, outcomes, refs, idle, gauges, ready, after) -> list[str]:
           f"{sum(o.finished for o in early)} finished before the cancel reached them")
     for model, g in sorted(gauges.items()):
         print(f"  KV {model}: {g.get('kv_pages_free', 0):.0f}/{g.get('kv_pages_total', 0):.0f} pages free, "
+              f"{g.get('kv_pages_cached', 0):.0f} cached, "
               f"running {g.get('running', 0):.0f}, waiting {g.get('waiting', 0):.0f}")
     if not idle:
         failures.append(f"engines not back to idle with full KV within {args.settle_timeout:.0f} s: {gauges}")
