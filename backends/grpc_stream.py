@@ -33,6 +33,7 @@ def stream_events(url: str, model: str, inputs, request_id: str = "", timeout_s:
 
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=callback)
+    ended = False   # the final response came: nothing is left to cancel
     try:
         client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
         while True:
@@ -46,7 +47,10 @@ def stream_events(url: str, model: str, inputs, request_id: str = "", timeout_s:
             if outputs:
                 yield None, outputs
             if final is not None and final.bool_param:
+                ended = True
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancelling a request that has ended can leave its model referenced for good in
+        # tritonserver 2.51: that model is then never finalized at shutdown (docs/shutdown.md).
+        client.stop_stream(cancel_requests=not ended)
         client.close()

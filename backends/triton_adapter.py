@@ -11,7 +11,9 @@ file imports without Triton (tests drive it with a stand-in).
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
+import signal
 import threading
 import queue
 from concurrent.futures import Future
@@ -57,6 +59,9 @@ class EngineModel(StreamingModel):
 
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # A stub that will not stop can be asked where it is: SIGUSR1 writes every thread's stack
+        # to the server's log (tests/test_shutdown.py does when a stop takes too long).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.params = model_parameters(args)
         refuse_unknown(self.params, engine_parameter_names(self.role), args.get("model_name", self.role))
         self.cfg = EngineConfig.from_params(self.params, role=self.role)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from backends.config import EngineConfig
+from backends.disagg import protocol
 from backends.disagg.config import DisaggConfig
 from backends.disagg.decode import DecodeRole
 from backends.disagg.pipeline import layer_group_size, layer_groups
@@ -335,8 +336,30 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
 
 
 # ---- the decode quarantine ---------------------------------------------------------------
+def message_log(pair, monkeypatch) -> tuple[dict, dict]:
+    """(kind, room) of every message each side's transport sent, and of every message each
+    side's role has handled."""
+    sent, handled = {"prefill": [], "decode": []}, {"prefill": [], "decode": []}
+    for side, engine in (("prefill", pair.prefill), ("decode", pair.decode)):
+        role = engine.scheduler.role
+        send, on_message = role.worker.transport.send_message, role._on_message
+
+        def record_send(peer, data, side=side, send=send):
+            msg = protocol.decode(data)
+            sent[side].append((msg["kind"], msg["room"]))
+            return send(peer, data)
+
+        def record_handled(peer, msg, side=side, on_message=on_message):
+            on_message(peer, msg)
+            handled[side].append((msg["kind"], msg["room"]))
+        monkeypatch.setattr(role.worker.transport, "send_message", record_send)
+        monkeypatch.setattr(role, "_on_message", record_handled)
+    return sent, handled
+
+
 @pytest.mark.parametrize("who", ["prefill", "decode"])
 def test_quarantine_holds_until_prefill_says_released(pair, monkeypatch, who):
+    sent, handled = message_log(pair, monkeypatch)
     gate = writes_in_flight(pair, monkeypatch)
     try:
         room, d, p = pair.submit(prompts(2)[1], PARAMS)
@@ -344,7 +367,15 @@ def test_quarantine_holds_until_prefill_says_released(pair, monkeypatch, who):
         (pair.prefill if who == "prefill" else pair.decode).abort(f"room-{room}")
         assert drain(d, 10)[-1].finish_reason == ("error" if who == "prefill" else "abort")
         assert drain(p, 10)[-1].finish_reason == "abort"
-        time.sleep(0.3)  # the prefill side's `error` has reached decode by now
+        # the abort has crossed (prefill's `error`, or decode's `abort`), prefill's transfer
+        # thread has gone round once after it (what it would send for the room is sent),
+        # and decode has handled every message prefill sent about the room
+        message, log = (("error", room), handled["decode"]) if who == "prefill" else (("abort", room), handled["prefill"])
+        assert wait_for(lambda: message in log)
+        worker, turned = pair.prefill.scheduler.role.worker, threading.Event()
+        worker.call(lambda: worker.call(turned.set))   # the inner one runs after the next poll
+        of_room = lambda msgs: [m for m in msgs if m[1] == room]
+        assert wait_for(lambda: turned.is_set() and of_room(handled["decode"]) == of_room(sent["prefill"]))
         assert pair.decode.stats()["quarantined_pages"] > 0, "decode freed pages prefill may still write"
         assert not pair.kv_whole()
     finally:
@@ -408,12 +439,15 @@ def test_cancel_during_prealloc(checkpoint, monkeypatch):
 
 def test_decode_cancel_reaches_a_prefill_request_that_comes_later(checkpoint, monkeypatch):
     pair, blocker, _ = blocked_pair(checkpoint, monkeypatch, transfer_timeout_s=5.0)
+    sent, handled = message_log(pair, monkeypatch)
     try:
         room, d, _ = pair.submit(prompts(4)[3], PARAMS, to_prefill=False)
         assert wait_for(lambda: pair.decode.stats()["prealloc"] == 1)
         pair.decode.abort(f"room-{room}")
         assert drain(d, 10)[-1].finish_reason == "abort"
-        time.sleep(0.5)  # the decode side's messages have reached the prefill engine
+        of_room = lambda msgs: [m for m in msgs if m[1] == room]   # prefill has handled all decode sent
+        assert wait_for(lambda: ("abort", room) in handled["prefill"]
+                        and of_room(handled["prefill"]) == of_room(sent["decode"]))
         p = queue.Queue()
         start = time.monotonic()
         pair.prefill.generate(prompts(4)[3], PARAMS, p.put, request_id=f"room-{room}", room=room)

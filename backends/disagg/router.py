@@ -15,6 +15,7 @@ import concurrent.futures
 import faulthandler
 import logging
 import random
+import signal
 import threading
 from typing import Iterator
 
@@ -239,6 +240,7 @@ class RouterModel(StreamingModel):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         # Triton does not restart a stub that crashes: leave every thread's Python stack in its log.
         faulthandler.enable()
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # see EngineModel.initialize
         params = model_parameters(args)
         refuse_unknown(params, PARAMETERS, args.get("model_name", "router"))
         get = lambda key: typed_parameter(key, params[key], PARAMETERS[key]) if params.get(key, "").strip() \
