@@ -131,10 +131,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def free_pages(self, req: Request, pages: list[int]) -> None:
-        """Pages the role kept of `req` go back (after the last forward that reads them)."""
-        self.pool.release(pages, self.after_step(req.last_step))
-
     def after_step(self, step: int) -> Fence | None:
         """The fence "step's forward is done" (None: it is)."""
         return None if step <= self.forward_done else (lambda: self.forward_done >= step)
@@ -503,7 +499,6 @@ class Scheduler:
         p = req.params
         eos = [] if p.ignore_eos else [p.end_id] if p.end_id is not None else self.eos_ids
         return eos + list(p.stop_token_ids) if p.stop_token_ids else eos
-
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None, stop_ids: list[int]) -> None:
         req.output_ids.append(token)
