@@ -26,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from backends.model_config import ModelConfig
 from backends.config import DEFAULT_MODEL_DIR
+from backends.model_config import ModelConfig
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

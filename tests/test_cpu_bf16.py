@@ -230,3 +230,17 @@ def test_the_comparison_fails_when_the_kernel_reads_its_weights_wrong(kind, chec
 
     monkeypatch.setattr(linear, "pack_bf16", swapped)
     assert compare(checkpoint("llama"), tokenizer, **KINDS[kind])[0] != ""
+
+
+@needs_bf16
+def test_bench_linear_times_every_option(checkpoint, tmp_path):
+    """client.bench_linear on a tiny shape: every option runs and reports its matmuls."""
+    import json
+
+    from client import bench_linear
+    out = tmp_path / "linear.json"
+    bench_linear.main(["--model", checkpoint("llama"), "--rows", "1,9", "--repeat", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert sorted(report) == ["1", "9"]
+    for rows in report.values():
+        assert len(rows) == 7 and all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
