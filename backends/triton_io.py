@@ -50,6 +50,7 @@ LOGPROB_FLAGS = {"return_log_probs": ("output_log_probs", "cum_log_probs"),
                  "return_cumulative_logprob": ("cumulative_logprob",)}
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "num_cached_tokens")
 # in every streamed response; the rest in the first and last
+LOGPROB_OUTPUTS = ("output_log_probs", "cum_log_probs", "logprobs", "cumulative_logprob")
 PER_TOKEN_OUTPUTS = ("text_output", "output_ids", "output_log_probs", "cum_log_probs", "logprobs", "cumulative_logprob")
 
 
@@ -65,8 +66,11 @@ class GenerateRequest:
     cache_salt: bytes | None = None   # prompts of different salts never share cached KV (vLLM's name)
 
     def wanted(self, requested: tuple[str, ...]) -> tuple[str, ...]:
-        """The outputs to send: those the client named, else the usual ones and those its flags turned on."""
-        return requested or OUTPUTS + self.logprob_outputs
+        """The outputs to send: those the client named (Triton names every output when the client
+        names none), else the usual ones; a logprob output only where its flag turned it on, as
+        the vLLM and TensorRT-LLM backends gate them."""
+        names = requested or OUTPUTS + self.logprob_outputs
+        return tuple(n for n in names if n not in LOGPROB_OUTPUTS or n in self.logprob_outputs)
 
 
 def control_room(get: Callable[[str], np.ndarray | None]) -> int | None:
