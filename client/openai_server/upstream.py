@@ -11,8 +11,9 @@ from typing import AsyncIterator
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
+from backends.grpc_stream import numpy_inputs
 from client.openai_server.errors import APIError, bad_request, model_not_found, unavailable
 
 WANTED = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens")
@@ -96,7 +97,7 @@ class Upstream:
         """The pieces of one request until its last; closing the iterator cancels the request
         on the server (its KV is freed)."""
         async def requests():
-            yield {"model_name": model.name, "inputs": _inputs(values),
+            yield {"model_name": model.name, "inputs": numpy_inputs(values),
                    "outputs": [grpcclient.InferRequestedOutput(n) for n in outputs],
                    "parameters": {"triton_enable_empty_final_response": True}}
 
@@ -121,15 +122,6 @@ class Upstream:
             raise APIError(500, f"the Triton stream failed: {exc.details()}") from None
         finally:
             call.cancel()
-
-
-def _inputs(values: dict[str, np.ndarray]):
-    inputs = []
-    for name, array in values.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
 
 
 def _piece(result, response) -> Piece | None:
