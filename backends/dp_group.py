@@ -182,11 +182,12 @@ class DpGroup:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
                      sink: Callable[[RequestOutput], None], request_id: str | None = None,
-                     room: int | None = None, cache_salt: bytes | None = None) -> Request:
+                     room: int | None = None, cache_salt: bytes | None = None,
+                     prefill_agent: str | None = None) -> Request:
         if self.failure is not None:
             raise InvalidRequest(self.failure)
         check_request(self.model_cfg, self.max_context, prompt_ids, params)
-        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, None, room, cache_salt)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, None, room, cache_salt, prefill_agent)
 
     def submit(self, req: Request) -> None:
         chain = page_chain(req.prompt_ids, req.cache_salt, self.cfg.page_size)
@@ -199,13 +200,19 @@ class DpGroup:
             rank.load += load
             rank.prefixes.add(chain)
             self.requests[req.id] = (req, rank, load)
-        rank.send_quietly(("add", req.id, req.prompt_ids, req.params, req.room, req.cache_salt))  # dead: _rank_died
+        rank.send_quietly(("add", req.id, req.prompt_ids, req.params, req.room, req.cache_salt,
+                           req.prefill_agent))  # dead: _rank_died
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[RequestOutput], None],
-                 request_id: str | None = None, room: int | None = None, cache_salt: bytes | None = None) -> str:
-        req = self.make_request(prompt_ids, params, sink, request_id, room, cache_salt)
+                 request_id: str | None = None, room: int | None = None, cache_salt: bytes | None = None,
+                 prefill_agent: str | None = None) -> str:
+        req = self.make_request(prompt_ids, params, sink, request_id, room, cache_salt, prefill_agent)
         self.submit(req)
         return req.id
+
+    def identity(self) -> dict:
+        """A DP group's ranks each have an agent of their own: none to pair with (prefill runs dp_size 1)."""
+        return {"role": self.cfg.role}
 
     def abort(self, request_id: str) -> None:
         with self.lock:
@@ -327,9 +334,10 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
         while True:
             message = inbox.recv()
             if message[0] == "add":
-                _, request_id, prompt_ids, params, room, salt = message
+                _, request_id, prompt_ids, params, room, salt, agent = message
                 try:
-                    engine.generate(prompt_ids, params, to_stub, request_id=request_id, room=room, cache_salt=salt)
+                    engine.generate(prompt_ids, params, to_stub, request_id=request_id, room=room, cache_salt=salt,
+                                    prefill_agent=agent)
                 except InvalidRequest as exc:  # checked by the stub already; a model mismatch lands here
                     send(("out", DpGroup._error(request_id, str(exc))))
             elif message[0] == "abort":

@@ -112,20 +112,22 @@ class Engine:
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams,
                      sink: Callable[[RequestOutput], None], request_id: str | None = None,
-                     room: int | None = None, cache_salt: bytes | None = None) -> Request:
+                     room: int | None = None, cache_salt: bytes | None = None,
+                     prefill_agent: str | None = None) -> Request:
         check_request(self.runner.model.cfg, self.max_context, prompt_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                        params.include_stop_str_in_output)
-        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room, cache_salt)
+        return Request(request_id or uuid.uuid4().hex, prompt_ids, params, sink, detok, room, cache_salt, prefill_agent)
 
     def submit(self, req: Request) -> None:
         self.scheduler.submit(req)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  sink: Callable[[RequestOutput], None], request_id: str | None = None,
-                 room: int | None = None, cache_salt: bytes | None = None) -> str:
+                 room: int | None = None, cache_salt: bytes | None = None,
+                 prefill_agent: str | None = None) -> str:
         """Queue a request; outputs go to `sink` from the engine thread. Returns its id."""
-        req = self.make_request(prompt_ids, params, sink, request_id, room, cache_salt)
+        req = self.make_request(prompt_ids, params, sink, request_id, room, cache_salt, prefill_agent)
         self.submit(req)
         return req.id
 
@@ -134,6 +136,10 @@ class Engine:
 
     def stats(self) -> dict:
         return self.scheduler.stats()
+
+    def identity(self) -> dict:
+        """Who answers here (the `describe` control request): the role, and a prefill engine's agent."""
+        return {"role": self.cfg.role, **self.scheduler.role.identity()}
 
     def describe(self) -> str:
         runner = self.runner

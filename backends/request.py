@@ -139,7 +139,7 @@ _arrival = itertools.count()
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  sink: Callable[[RequestOutput], None], detokenizer: IncrementalDetokenizer,
-                 room: int | None = None, cache_salt: bytes | None = None):
+                 room: int | None = None, cache_salt: bytes | None = None, prefill_agent: str | None = None):
         self.id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -174,6 +174,7 @@ class Request:
         self.history = None   # made by the sampler where penalties read it (backends.sampler.History)
         # disaggregated hand-off: the bootstrap room pairs the prefill and decode halves
         self.room = room
+        self.prefill_agent = prefill_agent   # decode: "name@host:port" of the agent writing its KV (None: the default)
         self.meta_slot: int | None = None
         self.admitted_at = 0.0
 

@@ -44,6 +44,9 @@ class Role(Protocol):
 
     def stats(self) -> dict: ...
 
+    def identity(self) -> dict:
+        """What a router needs to pair requests with this engine (a prefill engine's agent)."""
+
     def close(self) -> None: ...
 
 
@@ -76,6 +79,9 @@ class ColocatedRole:
         pass
 
     def stats(self) -> dict:
+        return {}
+
+    def identity(self) -> dict:
         return {}
 
     def close(self) -> None:

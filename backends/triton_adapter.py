@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import json
 import logging
 import signal
 import threading
@@ -19,11 +20,13 @@ import queue
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 
+import numpy as np
+
 from backends.config import EngineConfig
 from backends.parameters import refuse_unknown
 from backends.engine import Engine, InvalidRequest, disagg_config, make_role
 from backends.request import RequestOutput
-from backends.triton_io import control_room, parse_request
+from backends.triton_io import control_room, is_describe, parse_request
 from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
 from backends.token_channel import Writer, Writers
 from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseStream, StreamingModel, model_parameters,
@@ -96,6 +99,9 @@ class EngineModel(StreamingModel):
                 self.engine.abort(room_request_id(room))
                 sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
+            if is_describe(get):
+                self._describe(sender)
+                return
             req = parse_request(get, self.cfg.default_max_tokens)
             if (req.room is None) != (self.role == "colocated"):
                 raise InvalidRequest(f"the {self.role} model {'needs' if req.room is None else 'takes no'} "
@@ -108,7 +114,8 @@ class EngineModel(StreamingModel):
                                     self._channel(parent, parameters))
             engine_request = self.engine.make_request(
                 ids, req.params, self._sink(stream), room=req.room,
-                request_id=None if req.room is None else room_request_id(req.room), cache_salt=req.cache_salt)
+                request_id=None if req.room is None else room_request_id(req.room), cache_salt=req.cache_salt,
+                prefill_agent=req.prefill_agent)
         except InvalidRequest as exc:
             self._reject(sender, str(exc))
             return
@@ -119,6 +126,13 @@ class EngineModel(StreamingModel):
         with self.lock:
             self.streams[engine_request.id] = (stream, parent)
         self.engine.submit(engine_request)
+
+    def _describe(self, sender) -> None:
+        """The router's health check: this engine answers who it is (text_output, JSON)."""
+        text = json.dumps(self.engine.identity()).encode()
+        tensor = self.pb.Tensor("text_output", np.array([text], dtype=np.object_))
+        sender.send(self.pb.InferenceResponse(output_tensors=[tensor]),
+                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _channel(self, parent: str | None, parameters: dict) -> Writer | None:
         """The token channel of the router that sent this request, if it asked for one."""

@@ -64,6 +64,7 @@ class GenerateRequest:
     room: int | None = None   # bootstrap room, set by the router for prefill and decode
     logprob_outputs: tuple[str, ...] = ()   # the logprob outputs its flags turned on
     cache_salt: bytes | None = None   # prompts of different salts never share cached KV (vLLM's name)
+    prefill_agent: str | None = None  # decode: "name@host:port", the prefill NIXL agent the router paired it with
 
     def wanted(self, requested: tuple[str, ...]) -> tuple[str, ...]:
         """The outputs to send: those the client named (Triton names every output when the client
@@ -77,6 +78,31 @@ def control_room(get: Callable[[str], np.ndarray | None]) -> int | None:
     """The room a `cancel_room` control request (router -> prefill/decode) aborts, if it is one."""
     arr = get("cancel_room")
     return None if arr is None else int(_scalar(arr, "cancel_room"))
+
+
+def is_describe(get: Callable[[str], np.ndarray | None]) -> bool:
+    """A `describe` control request (the router's health check): the model answers who it is."""
+    return _flag(get, "describe")
+
+
+def split_agent(text: str) -> tuple[str, str, int]:
+    """"name@host:port" as (name, host, port); ValueError names what is wrong."""
+    name, at, address = text.partition("@")
+    host, _, port = address.rpartition(":")
+    if not (name and at and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"prefill_agent must be name@host:port, got {text!r}")
+    return name, host, int(port)
+
+
+def _agent(array: np.ndarray | None) -> str | None:
+    if array is None:
+        return None
+    text = _text(_scalar(array, "prefill_agent"), "prefill_agent")
+    try:
+        split_agent(text)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return text
 
 
 def _text(value, name: str = "text_input") -> str:
@@ -207,7 +233,8 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
                            exclude_input=_flag(get, "exclude_input_in_output"),
                            chat=_flag(get, "apply_chat_template"),
                            room=None if room is None else int(_scalar(room, "bootstrap_room")),
-                           logprob_outputs=outputs, cache_salt=_salt(get("cache_salt")))
+                           logprob_outputs=outputs, cache_salt=_salt(get("cache_salt")),
+                           prefill_agent=_agent(get("prefill_agent")))
 
 
 def _salt(array: np.ndarray | None) -> bytes | None:

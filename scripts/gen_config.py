@@ -45,6 +45,8 @@ INPUTS = [  # name, type, dims, optional
 ROOM_INPUTS = [  # set by the router only
     ("bootstrap_room", "TYPE_UINT64", "[ 1 ]", True),
     ("cancel_room", "TYPE_UINT64", "[ 1 ]", True),
+    ("prefill_agent", "TYPE_STRING", "[ 1 ]", True),   # decode: the prefill NIXL agent that writes its KV
+    ("describe", "TYPE_BOOL", "[ 1 ]", True),          # the router's health check: who answers here
 ]
 ROUTER_PARAMETERS = {key: str(value).lower() if isinstance(value, bool) else str(value)
                      for key, value in ROUTER_DEFAULTS.items()}

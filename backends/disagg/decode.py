@@ -61,6 +61,9 @@ class DecodeRole:
     def close(self) -> None:
         self.worker.stop()
 
+    def identity(self) -> dict:
+        return {}
+
     # ---- the loop's hooks ----------------------------------------------------------
     def admit(self, req: Request) -> bool:
         if req.room is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import threading
 import time
 
@@ -50,8 +51,9 @@ def kv_written() -> "torch.cuda.Event":
     return event
 
 
-def prefill_agent_name(port: int) -> str:
-    return f"tandem-prefill-{port}"
+def prefill_agent_name(port: int, hostname: str | None = None) -> str:
+    """Unique among the prefill engines of a deployment: one listens per host and port."""
+    return f"tandem-prefill-{hostname or socket.gethostname()}-{port}"
 
 
 class PrefillRole:
@@ -85,6 +87,10 @@ class PrefillRole:
 
     def close(self) -> None:
         self.worker.stop()
+
+    def identity(self) -> dict:
+        """What a router pairs decode requests with: this engine's NIXL agent and port."""
+        return {"agent": self.worker.transport.name, "nixl_port": self.worker.transport.port}
 
     # ---- the loop's hooks ----------------------------------------------------------
     def admit(self, req: Request) -> bool:
