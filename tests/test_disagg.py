@@ -256,11 +256,11 @@ def test_a_short_prompt_runs_while_its_destination_is_on_the_way(checkpoint, col
         decode, prefill = pair.decode.scheduler.role, pair.prefill.scheduler.role
         send, sampled, dest_sent, sampled_at = decode._send, prefill.on_sampled, {}, {}
 
-        def late_dest(kind, room, **fields):
+        def late_dest(kind, req, **fields):
             if kind == "dest":
                 time.sleep(1.0)
-                dest_sent[room] = time.monotonic()
-            send(kind, room, **fields)
+                dest_sent[req.room] = time.monotonic()
+            send(kind, req, **fields)
 
         def record_sampled(req):
             sampled_at[req.room] = time.monotonic()

@@ -9,6 +9,12 @@ The prealloc queue has no timeout (an overloaded engine queues, it does not
 fail): transfer_timeout_s counts from the moment KV is reserved. A request that
 fails while the prefill engine may still be writing into its pages leaves them
 in quarantine until the prefill side says `released` (or the timeout passes).
+
+Each request names the prefill engine that writes its KV (`prefill_agent`, set
+by the router; none: prefill_address). Decode keeps one NIXL peer per prefill
+agent, dialed when a request first needs it (again after it failed: a
+restarted engine comes back under its name), and pinged while ready. A peer
+that fails fails only its own rooms.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 from backends.disagg import protocol
 from backends.disagg.config import DisaggConfig
@@ -24,9 +31,33 @@ from backends.disagg.prefill import prefill_agent_name
 from backends.disagg.transport import KVTransport
 from backends.disagg.worker import TransferWorker
 from backends.request import Request, Status
+from backends.triton_io import split_agent
 
 log = logging.getLogger("tandem.decode")
 PING_S = 0.5
+
+
+@dataclass
+class Peer:
+    """A prefill engine's NIXL agent, as this decode engine sees it."""
+
+    name: str
+    host: str
+    port: int
+    state: str = "new"      # new | connecting | ready | failed
+    error: str = ""
+    last_ping: float = 0.0
+
+
+@dataclass
+class Quarantined:
+    """A failed room's pages: they go back once its prefill peer says `released`."""
+
+    released: threading.Event
+    num_pages: int
+    slot: int | None
+    since: float
+    peer: str
 
 
 class DecodeRole:
@@ -36,17 +67,14 @@ class DecodeRole:
 
     def __init__(self, cfg: DisaggConfig):
         self.cfg = cfg
-        self.host, self.port = cfg.prefill_host_port
-        self.peer = prefill_agent_name(self.port)
-        self.peer_state = "new"        # new | connecting | ready | failed
-        self.peer_error = ""
+        host, port = cfg.prefill_host_port
+        self.default_peer = f"{prefill_agent_name(port)}@{host}:{port}"
+        self.peers: dict[str, Peer] = {}   # agent name -> its peer
         self.prealloc: list[Request] = []
         self.landed: collections.deque = collections.deque()  # (request, first token, logprob): KV here, no room yet
         self.transfer: dict[int, Request] = {}            # room -> request whose KV is on its way
-        # room -> (set once prefill writes no more, pages, slot, since): its pages wait for it
-        self.quarantine: dict[int, tuple[threading.Event, int, int | None, float]] = {}
+        self.quarantine: dict[int, Quarantined] = {}   # room -> its pages, waiting for `released`
         self.announced: set[int] = set()   # prealloc rooms the prefill side was told are queued
-        self.last_ping = 0.0
         self.num_failed = 0
 
     def attach(self, scheduler) -> None:
@@ -68,9 +96,31 @@ class DecodeRole:
     def admit(self, req: Request) -> bool:
         if req.room is None:
             raise ValueError("a decode request needs a bootstrap room")
+        problem = self._pair(req)
+        if problem:
+            self.scheduler.finish(req, "error", error=problem)
+            return True
         req.status = Status.PREALLOCATING
         self.prealloc.append(req)
         return True
+
+    def _pair(self, req: Request) -> str | None:
+        """Make the request's prefill peer known (its prefill_agent, or the default); or say why not."""
+        req.prefill_agent = req.prefill_agent or self.default_peer
+        try:
+            name, host, port = split_agent(req.prefill_agent)
+        except ValueError as exc:
+            return str(exc)
+        peer = self.peers.get(name)
+        if peer is None or (peer.host, peer.port) != (host, port):
+            if peer is not None and peer.state in ("connecting", "ready"):
+                return f"prefill agent {name} is at {peer.host}:{peer.port}, not {host}:{port}"
+            self.peers[name] = Peer(name, host, port)  # new, or moved while not in use
+        return None
+
+    def _peer(self, req: Request) -> Peer:
+        """The prefill agent that writes this request's KV (admit made it known)."""
+        return self.peers[req.prefill_agent.partition("@")[0]]
 
     def advance(self) -> None:
         for event in self.worker.take_events():
@@ -78,11 +128,11 @@ class DecodeRole:
                 self._on_event(*event)
             except Exception:  # one bad message must not lose the events after it
                 log.exception("handling %s failed", event[0])
-        if self.prealloc and self.peer_state in ("new", "failed"):
-            self._dial()
+        for name in {self._peer(req).name for req in self.prealloc}:
+            if self.peers[name].state in ("new", "failed"):
+                self._dial(self.peers[name])
         self._join_landed()
-        if self.peer_state == "ready":
-            self._allocate()
+        self._allocate()
         self._expire()
         self._ping()
 
@@ -101,29 +151,31 @@ class DecodeRole:
         self.landed = collections.deque(entry for entry in self.landed if entry[0] is not req)
         if self.transfer.pop(req.room, None) is not None:
             self._hold(req)
-            self._send("abort", req.room)
+            self._send("abort", req)
         elif req.room in self.announced:
-            self._send("abort", req.room)  # the prefill side waits for its destination without a timeout
+            self._send("abort", req)  # the prefill side waits for its destination without a timeout
         self.announced.discard(req.room)
 
     def _hold(self, req: Request) -> None:
         """Prefill may still write into these pages: they go back once it says released."""
         released = threading.Event()
         self.pool.release(req.pages, released.is_set)
-        self.quarantine[req.room] = (released, len(req.pages), req.meta_slot, time.monotonic())
+        self.quarantine[req.room] = Quarantined(released, len(req.pages), req.meta_slot, time.monotonic(),
+                                                self._peer(req).name)
         req.pages, req.meta_slot = [], None
 
     # ---- prealloc ------------------------------------------------------------------
-    def _dial(self) -> None:
-        self.peer_state = "connecting"
-        self.worker.connect(self.peer, self.host, self.port, self.cfg.handshake_timeout_s)
+    def _dial(self, peer: Peer) -> None:
+        peer.state = "connecting"
+        self.worker.connect(peer.name, peer.host, peer.port, self.cfg.handshake_timeout_s)
 
     def _allocate(self) -> None:
-        while self.prealloc:
-            req = self.prealloc[0]
+        """KV for the queued requests whose prefill peer is ready, in order: the first that
+        does not fit waits, and those behind it with it."""
+        for req in [r for r in self.prealloc if self._peer(r).state == "ready"]:
             now, later = self._pages_needed(req)
             if now > self.pool.num_pages:
-                self.prealloc.pop(0)
+                self.prealloc.remove(req)
                 self._fail(req, f"the prompt needs {now} KV pages, the decode engine has {self.pool.num_pages}")
                 continue
             if self.pool.num_available - self._reserved() < now + later:
@@ -131,18 +183,19 @@ class DecodeRole:
             slot = self.slots.take()
             if slot is None:
                 break
-            self.prealloc.pop(0)
+            self.prealloc.remove(req)
             self.announced.discard(req.room)
             req.pages, req.meta_slot = self.pool.allocate(now), slot
             req.admitted_at = time.monotonic()  # the transfer timeout counts from here
             self.meta[slot].zero_()
             self.transfer[req.room] = req
             req.status = Status.RECEIVING
-            self._send("dest", req.room, pages=req.pages, slot=slot, prompt_len=len(req.prompt_ids))
+            self._send("dest", req, pages=req.pages, slot=slot, prompt_len=len(req.prompt_ids))
         for req in self.prealloc:
-            if req.room not in self.announced:  # so that the prefill side waits for it as long as it takes
+            # so that the prefill side waits for it as long as it takes
+            if req.room not in self.announced and self._peer(req).state == "ready":
                 self.announced.add(req.room)
-                self._send("queued", req.room)
+                self._send("queued", req)
 
     def _pages_needed(self, req: Request) -> tuple[int, int]:
         """Pages for the prompt now, and the reserve for the tokens it will decode (no more
@@ -152,8 +205,12 @@ class DecodeRole:
         later = self.pool.pages_for(len(req.prompt_ids) + future) - now
         return now, max(0, min(later, self.pool.num_pages - now))
 
-    def _send(self, kind: str, room: int, **fields) -> None:
-        self.worker.send(self.peer, protocol.encode(kind, room, **fields), room)
+    def _send(self, kind: str, req: Request, **fields) -> None:
+        """A message about the request to its prefill peer (none to a peer that is not ready:
+        its rooms failed with it)."""
+        peer = self._peer(req)
+        if peer.state == "ready":
+            self.worker.send(peer.name, protocol.encode(kind, req.room, **fields), req.room)
 
     def _reserved(self) -> int:
         """KV that admitted requests will still claim for their decode reserve."""
@@ -166,30 +223,36 @@ class DecodeRole:
 
     # ---- events from the transfer worker ---------------------------------------------
     def _on_event(self, kind: str, *args) -> None:
-        if kind == "connected":
-            self.peer_state = "ready"
-        elif kind == "connect_failed":
-            self.peer_state, self.peer_error = "failed", args[1]
-            self._fail_all(f"prefill engine unreachable at {self.host}:{self.port}: {args[1]}", self.prealloc)
-        elif kind == "send_failed":
-            self.peer_state, self.peer_error = "failed", args[1]
-            self._fail_all(f"lost the prefill engine: {args[1]}", list(self.transfer.values()))
-            for room in list(self.quarantine):  # a dead peer has no write in flight
-                self._unquarantine(room)
+        if kind == "connected" and args[0] in self.peers:
+            self.peers[args[0]].state = "ready"
+        elif kind == "connect_failed" and args[0] in self.peers:
+            peer = self.peers[args[0]]
+            self._lose(peer, args[1], f"prefill engine unreachable at {peer.host}:{peer.port}: {args[1]}")
+        elif kind == "send_failed" and args[0] in self.peers:
+            self._lose(self.peers[args[0]], args[2], f"lost the prefill engine: {args[2]}")
         elif kind == "message":
             self._on_message(*args)
+
+    def _lose(self, peer: Peer, error: str, message: str) -> None:
+        """The peer failed: so do its rooms (queued or transferring); its quarantined pages come
+        back (a dead peer has no write in flight). The next request for it dials again."""
+        log.warning("prefill peer %s at %s:%d failed: %s", peer.name, peer.host, peer.port, error)
+        peer.state, peer.error = "failed", error
+        self._fail_all(message, [r for r in self.prealloc + list(self.transfer.values()) if self._peer(r) is peer])
+        for room in [room for room, q in self.quarantine.items() if q.peer == peer.name]:
+            self._unquarantine(room)
 
     def _on_message(self, peer: str, msg: dict) -> None:
         room, kind = msg["room"], msg["kind"]
         if room in self.quarantine:
             # `done` too: the metadata is written after the last KV write finished. An
             # `error` says nothing about writes still in flight: `released` follows it.
-            if kind in ("released", "done"):
+            if kind in ("released", "done") and self.quarantine[room].peer == peer:
                 self._unquarantine(room)
             return
         req = self.transfer.get(room)
-        if req is None:
-            log.info("ignoring %s for unknown room %s", kind, room)
+        if req is None or self._peer(req).name != peer:
+            log.info("ignoring %s for room %s from %s", kind, room, peer)
         elif kind == "done":
             self._prebuild(req)
         elif kind == "error":
@@ -234,31 +297,33 @@ class DecodeRole:
             self._fail(req, message)
 
     def _unquarantine(self, room: int) -> None:
-        released, _, slot, _ = self.quarantine.pop(room)
-        released.set()
+        held = self.quarantine.pop(room)
+        held.released.set()
         self.pool.collect()
-        if slot is not None:
-            self.slots.give(slot)
+        if held.slot is not None:
+            self.slots.give(held.slot)
 
     def _expire(self) -> None:
         now, limit = time.monotonic(), self.cfg.transfer_timeout_s
         for req in [r for r in self.transfer.values() if now - r.admitted_at > limit]:
             del self.transfer[req.room]
             self._hold(req)
-            self._send("abort", req.room)
+            self._send("abort", req)
             self._fail(req, f"KV transfer not done within {limit:g}s")
-        for room, (_, _, _, since) in list(self.quarantine.items()):
-            if now - since > limit:  # the prefill side never answered: it is gone or stuck
+        for room, held in list(self.quarantine.items()):
+            if now - held.since > limit:  # the prefill side never answered: it is gone or stuck
                 self._unquarantine(room)
 
     def _ping(self) -> None:
         """Notice a prefill engine that died (no message would come), idle or not: the next
-        request then handshakes again, with whatever listens there now (a restarted engine)."""
-        if self.peer_state == "ready" and time.monotonic() - self.last_ping > PING_S:
-            self.last_ping = time.monotonic()
-            self._send("ping", 0)
+        request for it then handshakes again, with whatever listens there now (a restarted engine)."""
+        now = time.monotonic()
+        for peer in self.peers.values():
+            if peer.state == "ready" and now - peer.last_ping > PING_S:
+                peer.last_ping = now
+                self.worker.send(peer.name, protocol.encode("ping", 0), 0)
 
     def stats(self) -> dict:
         return {"prealloc": len(self.prealloc), "transferring": len(self.transfer), "landed": len(self.landed),
-                "quarantined_pages": sum(n for _, n, _, _ in self.quarantine.values()),
+                "quarantined_pages": sum(q.num_pages for q in self.quarantine.values()),
                 "transfer_failures": self.num_failed}

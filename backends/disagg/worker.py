@@ -39,6 +39,15 @@ class Shipment:
     bytes_sent: int = 0
 
 
+@dataclass
+class Dial:
+    """A handshake in progress (decode side); `retry_s` is the second try's time, None once used."""
+
+    host: str
+    port: int
+    retry_s: float | None
+
+
 class TransferWorker:
     def __init__(self, transport: KVTransport, wake: Callable[[], None], timeout_s: float,
                  expecting: Callable[[], bool] = lambda: False):
@@ -49,6 +58,7 @@ class TransferWorker:
         self.commands: queue.Queue = queue.Queue()
         self.events: collections.deque = collections.deque()
         self.shipments: dict[int, Shipment] = {}
+        self.dials: dict[str, Dial] = {}   # peer -> its handshake in progress (see connect())
         self.fences: list[tuple[list[XferHandle], threading.Event]] = []  # see drain()
         # Rooms that failed or were cancelled: later writes for them are dropped,
         # since the decode side may already have given their pages to another request.
@@ -82,7 +92,7 @@ class TransferWorker:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                hot = self.shipments or self.expecting()
+                hot = self.shipments or self.dials or self.expecting()
                 fn = self.commands.get(timeout=POLL_S if hot else 10 * POLL_S)
                 fn()
                 while not self.commands.empty():
@@ -105,6 +115,7 @@ class TransferWorker:
             self._emit("message", peer, msg)
         for ship in list(self.shipments.values()):
             self._advance(ship)
+        self._advance_dials()
         self._check_fences()
 
     def _check_fences(self) -> None:
@@ -242,30 +253,46 @@ class TransferWorker:
 
     # ---- both sides: control messages ----------------------------------------------
     def send(self, peer: str, data: bytes, room: int) -> None:
+        """Post a message; a failure emits ("send_failed", peer, room, why)."""
         def post():
             try:
                 self.transport.send_message(peer, data)
             except Exception as exc:
-                self._emit("send_failed", room, f"message to {peer} failed: {exc}")
+                self._emit("send_failed", peer, room, f"message to {peer} failed: {exc}")
         self.call(post)
 
     def connect(self, peer: str, host: str, port: int, timeout_s: float) -> None:
-        """Handshake with the peer afresh (whatever an earlier incarnation left is dropped).
-        The first try is short: when the peer has restarted, NIXL sends our first metadata
-        request over its socket to the dead process and loses it (then closes that socket),
-        so a second try, with the rest of the time, goes through."""
-        def attempt(limit_s: float) -> None:
-            self.transport.disconnect(peer)
-            self.transport.connect(peer, host, port, timeout_s=limit_s, wait=True)
-
+        """Handshake with the peer afresh (whatever an earlier incarnation left is dropped);
+        emits ("connected", peer, "") or ("connect_failed", peer, why). The first try is short:
+        when the peer has restarted, NIXL sends our first metadata request over its socket to
+        the dead process and loses it (then closes that socket), so a second try, with the rest
+        of the time, goes through. The handshake does not block this thread: other peers'
+        transfers and messages go on while one peer is dialed (a dead one takes the timeout)."""
         def dial():
             first = min(FIRST_DIAL_S, timeout_s / 2)
-            try:
-                try:
-                    attempt(first)
-                except TransferError:
-                    attempt(timeout_s - first)
-                self._emit("connected", peer, "")
-            except Exception as exc:
-                self._emit("connect_failed", peer, str(exc))
+            self.dials[peer] = Dial(host, port, timeout_s - first)
+            self._try_dial(peer, first)
         self.call(dial)
+
+    def _try_dial(self, peer: str, limit_s: float) -> None:
+        dial = self.dials[peer]
+        try:
+            self.transport.disconnect(peer)
+            self.transport.connect(peer, dial.host, dial.port, timeout_s=limit_s, wait=False)
+        except Exception as exc:
+            del self.dials[peer]
+            self._emit("connect_failed", peer, str(exc))
+
+    def _advance_dials(self) -> None:
+        """The transport advances each handshake as it reads its notifications (see _pump)."""
+        for peer, dial in list(self.dials.items()):
+            error = self.transport.peer_error(peer)
+            if self.transport.is_connected(peer):
+                del self.dials[peer]
+                self._emit("connected", peer, "")
+            elif error is not None and dial.retry_s is not None:
+                retry_s, dial.retry_s = dial.retry_s, None
+                self._try_dial(peer, retry_s)
+            elif error is not None:
+                del self.dials[peer]
+                self._emit("connect_failed", peer, error)
