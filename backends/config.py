@@ -71,7 +71,8 @@ class EngineConfig:
                "forward thread runs the steps, a decode's input token is resolved when its step starts); off"})
     prefix_caching: str = field(default="auto", metadata={
         "doc": "reuse the KV of prompt prefixes computed before (full pages, matched by their tokens): on; off; "
-               "auto = on for llm and prefill, off for decode (its KV comes whole from prefill)"})
+               "auto = on. decode: the prompt pages it already holds (received or decoded for an earlier "
+               "request) are not sent again by prefill"})
     cuda_graphs: str = field(default="auto", metadata={
         "doc": "decode steps replayed as CUDA graphs captured at load, one per batch-size bucket (1, 2, 4, 8, "
                "then every 8 to max_running_requests; larger batches and prefill steps run eagerly): on; off; "
@@ -93,9 +94,6 @@ class EngineConfig:
             raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
         if self.prefix_caching not in ("auto", "on", "off"):
             raise ValueError(f"prefix_caching must be auto, on or off, got {self.prefix_caching!r}")
-        if self.prefix_caching == "on" and self.role == "decode":
-            raise ValueError("prefix_caching on: the decode role does not reuse prefixes (its KV comes whole from "
-                             "prefill); use auto or off")
         if self.weights not in ("auto", "int8"):
             raise ValueError(f"weights must be auto or int8, got {self.weights!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
@@ -206,7 +204,7 @@ class EngineConfig:
 
     @property
     def caches_prefixes(self) -> bool:
-        return self.prefix_caching == "on" or (self.prefix_caching == "auto" and self.role != "decode")
+        return self.prefix_caching != "off"
 
     @property
     def takes_turns(self) -> bool:

@@ -250,9 +250,10 @@ class EngineMetrics:
         "quarantined_pages": "KV pages held until the prefill side confirms no write is in flight (decode)",
         "dp_ranks_alive": "DP attention ranks running (dp_size > 1); fewer than dp_size: the model stopped serving",
     }
-    COUNTERS = {  # vLLM's prefix cache counters, counted in tokens
+    COUNTERS = {  # vLLM's prefix cache counters (in tokens), and decode's reused KV (bytes)
         "prefix_cache_queries": "prompt tokens looked up in the prefix cache",
         "prefix_cache_hits": "prompt tokens found in the prefix cache (their KV was not computed again)",
+        "kv_bytes_reused": "KV bytes of prompts decode held already, so prefill did not send them (decode)",
     }
 
     def __init__(self, pb, model: str, stats: dict):

@@ -387,8 +387,10 @@ def test_quarantine_holds_until_prefill_says_released(pair, monkeypatch, who):
 
 # ---- overload and cancels on decode ------------------------------------------------------
 def blocked_pair(checkpoint, monkeypatch, **knobs):
-    """A pair whose decode pool is taken by a long request: the next ones wait in prealloc."""
-    pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 128}, decode_reserve_tokens=400, **knobs)
+    """A pair whose decode pool is taken by a long request: the next ones wait in prealloc (with
+    the prefix cache off: the same prompt would share the blocker's pages on decode)."""
+    pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 128, "prefix_caching": "off"},
+                decode_reserve_tokens=400, **knobs)
     run = pair.decode.scheduler.runner.forward
     monkeypatch.setattr(pair.decode.scheduler.runner, "forward", lambda *a: (time.sleep(0.02), run(*a))[1])
     room, d, _ = pair.submit(prompts(4)[3], SamplingParams(max_tokens=400, min_tokens=400))  # 8 s of decode

@@ -238,14 +238,13 @@ def test_a_cache_salt_prevents_a_match(checkpoint):
     assert first[0] == other_salt[0] == no_salt[0] == same_salt[0]
 
 
-def test_the_cache_is_off_on_decode_and_the_setting_is_checked(checkpoint):
+def test_the_cache_is_on_for_every_role_unless_off_and_the_setting_is_checked(checkpoint):
     path = checkpoint("llama")
-    assert not EngineConfig(model_path=path, role="decode").caches_prefixes
-    assert EngineConfig(model_path=path, role="prefill").caches_prefixes and EngineConfig(model_path=path).caches_prefixes
+    for role in ("colocated", "prefill", "decode"):   # decode: see tests/test_decode_prefix.py
+        assert EngineConfig(model_path=path, role=role).caches_prefixes
+        assert not EngineConfig(model_path=path, role=role, prefix_caching="off").caches_prefixes
     with pytest.raises(ValueError, match="prefix_caching must be auto, on or off"):
         EngineConfig(model_path=path, prefix_caching="yes")
-    with pytest.raises(ValueError, match="decode role does not reuse prefixes"):
-        EngineConfig(model_path=path, role="decode", prefix_caching="on")
 
 
 @pytest.mark.parametrize("block_size", [4, 8])

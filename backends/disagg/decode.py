@@ -15,6 +15,13 @@ by the router; none: prefill_address). Decode keeps one NIXL peer per prefill
 agent, dialed when a request first needs it (again after it failed: a
 restarted engine comes back under its name), and pinged while ready. A peer
 that fails fails only its own rooms.
+
+With prefix caching (auto), decode keeps the KV it received and decoded: a
+prompt's full pages found in its cache are taken (a reference each, held until
+the request ends), the `dest` message says how many prompt tokens decode holds
+(`cached_tokens`, page-aligned), and prefill writes only the pages after them.
+The received pages enter the cache once `done` says they have landed, never
+while prefill may write them.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from backends.disagg.config import DisaggConfig
 from backends.disagg.prefill import prefill_agent_name
 from backends.disagg.transport import KVTransport
 from backends.disagg.worker import TransferWorker
+from backends.kv_cache import Match
 from backends.request import Request, Status
 from backends.triton_io import split_agent
 
@@ -76,11 +84,14 @@ class DecodeRole:
         self.quarantine: dict[int, Quarantined] = {}   # room -> its pages, waiting for `released`
         self.announced: set[int] = set()   # prealloc rooms the prefill side was told are queued
         self.num_failed = 0
+        self.bytes_reused = 0   # prompt KV prefill did not send: decode held it
 
     def attach(self, scheduler) -> None:
         self.scheduler, self.pool = scheduler, scheduler.pool
         self.meta = protocol.new_meta_buffer(self.cfg.meta_slots)
         self.slots = protocol.SlotPool(self.cfg.meta_slots)
+        kv = scheduler.runner.kv   # [layers, 2, pages, ...]: a page's KV in every layer
+        self.page_bytes = kv[:, :, 0].numel() * kv.element_size()
         transport = KVTransport(f"tandem-decode-{uuid.uuid4().hex[:8]}", scheduler.runner.kv, self.meta,
                                 listen_port=None)
         self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s,
@@ -157,10 +168,13 @@ class DecodeRole:
         self.announced.discard(req.room)
 
     def _hold(self, req: Request) -> None:
-        """Prefill may still write into these pages: they go back once it says released."""
+        """Prefill may still write into the pages it was given: they go back once it says
+        released. The prompt's cached pages (its first cached_pages) it never writes."""
         released = threading.Event()
-        self.pool.release(req.pages, released.is_set)
-        self.quarantine[req.room] = Quarantined(released, len(req.pages), req.meta_slot, time.monotonic(),
+        written = req.pages[req.cached_pages:]
+        self.pool.release(req.pages[:req.cached_pages])
+        self.pool.release(written, released.is_set)
+        self.quarantine[req.room] = Quarantined(released, len(written), req.meta_slot, time.monotonic(),
                                                 self._peer(req).name)
         req.pages, req.meta_slot = [], None
 
@@ -178,24 +192,40 @@ class DecodeRole:
                 self.prealloc.remove(req)
                 self._fail(req, f"the prompt needs {now} KV pages, the decode engine has {self.pool.num_pages}")
                 continue
-            if self.pool.num_available - self._reserved() < now + later:
+            if not self._reserve(req, now, later):
                 break  # the head waits for KV; requests keep their order
-            slot = self.slots.take()
-            if slot is None:
-                break
-            self.prealloc.remove(req)
-            self.announced.discard(req.room)
-            req.pages, req.meta_slot = self.pool.allocate(now), slot
-            req.admitted_at = time.monotonic()  # the transfer timeout counts from here
-            self.meta[slot].zero_()
-            self.transfer[req.room] = req
-            req.status = Status.RECEIVING
-            self._send("dest", req, pages=req.pages, slot=slot, prompt_len=len(req.prompt_ids))
         for req in self.prealloc:
             # so that the prefill side waits for it as long as it takes
             if req.room not in self.announced and self._peer(req).state == "ready":
                 self.announced.add(req.room)
                 self._send("queued", req)
+
+    def _reserve(self, req: Request, now: int, later: int) -> bool:
+        """The prompt's KV (the full pages this engine holds already, then new pages) and a
+        metadata slot, and its destination to prefill; False if they are not free."""
+        held = self._match(req)
+        slot = None
+        if self.pool.num_available - self._reserved() < now - len(held.pages) + later \
+                or (slot := self.slots.take()) is None:
+            self.pool.release(held.pages)
+            return False
+        self.prealloc.remove(req)
+        self.announced.discard(req.room)
+        req.pages, req.meta_slot = held.pages + self.pool.allocate(now - len(held.pages)), slot
+        req.cached_pages, req.cache_parent = len(held.pages), held.parent
+        req.admitted_at = time.monotonic()  # the transfer timeout counts from here
+        self.meta[slot].zero_()
+        self.transfer[req.room] = req
+        req.status = Status.RECEIVING
+        self._send("dest", req, pages=req.pages[len(held.pages):], slot=slot, prompt_len=len(req.prompt_ids),
+                   cached_tokens=held.num_tokens)
+        return True
+
+    def _match(self, req: Request) -> Match:
+        """The prompt's full pages in this engine's cache (all of them may match: the first token
+        comes from prefill, nothing is computed here), a reference taken on each."""
+        full = len(req.prompt_ids) // self.pool.page_size if self.scheduler.caching else 0
+        return self.pool.match(req.prompt_ids[:full * self.pool.page_size], req.cache_salt, full)
 
     def _pages_needed(self, req: Request) -> tuple[int, int]:
         """Pages for the prompt now, and the reserve for the tokens it will decode (no more
@@ -271,8 +301,20 @@ class DecodeRole:
                             f"expected room {req.room} ({len(req.prompt_ids)} tokens)")
             return
         req.num_computed = prompt_len
+        self.bytes_reused += req.cached_pages * self.page_bytes
+        self._cache_prompt(req)
         self.landed.append((req, token, logprob))
         self._join_landed()
+
+    def _cache_prompt(self, req: Request) -> None:
+        """The prompt's KV has landed: its full pages enter the cache (the scheduler caches the
+        pages it decodes, as it does for any request)."""
+        if not self.scheduler.caching:
+            return
+        size = self.pool.page_size
+        for i in range(req.cached_pages, len(req.prompt_ids) // size):
+            req.cache_parent = self.pool.cache(req.pages[i], req.cache_parent, req.prompt_ids[i * size:(i + 1) * size])
+            req.cached_pages = i + 1
 
     def _join_landed(self) -> None:
         """Requests whose KV landed join the running batch while it has room
@@ -326,4 +368,4 @@ class DecodeRole:
     def stats(self) -> dict:
         return {"prealloc": len(self.prealloc), "transferring": len(self.transfer), "landed": len(self.landed),
                 "quarantined_pages": sum(q.num_pages for q in self.quarantine.values()),
-                "transfer_failures": self.num_failed}
+                "transfer_failures": self.num_failed, "kv_bytes_reused": self.bytes_reused}

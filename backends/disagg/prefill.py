@@ -15,6 +15,12 @@ request and the forward would wait for it. The KV goes out once both the
 forward and the destination are done. Longer prompts wait in bootstrap for the
 destination, so that their layer groups can be written while later layers
 compute; so does every prompt with prefill_before_destination off.
+
+Decode may hold the first pages of the prompt already (its prefix cache): its
+destination then says how many tokens (`cached_tokens`, whole pages) and lists
+pages for the rest only, and only those are written; on a full hit just the
+metadata goes. This engine's own prefix cache (which pages it computes) is
+independent of what decode holds.
 """
 from __future__ import annotations
 
@@ -134,7 +140,7 @@ class PrefillRole:
         return True
 
     def on_preempt(self, req: Request) -> None:
-        """The request recomputes its prompt, so its KV is sent again in full; the writes
+        """The request recomputes its prompt, so its KV is sent again (all that decode lacks); the writes
         queued so far still read its pages, which go back to the pool only once they finish."""
         if self.sent_pages.pop(req.room, None) is None:
             return  # nothing was queued from these pages
@@ -194,20 +200,27 @@ class PrefillRole:
         end = req.num_computed + n
         last = end >= len(req.prompt_ids)
         upto = self.scheduler.pool.pages_for(end) if last else end // self.scheduler.pool.page_size
-        start = self.sent_pages.get(req.room, 0)
+        held = self._decode_holds(dest)   # dest["pages"] starts after them
+        start = self.sent_pages.get(req.room, held)
         self.sent_pages[req.room] = max(start, upto)
         if upto <= start:
             return None
-        return req.room, peer, req.pages[start:upto], dest["pages"][start:upto]
+        return req.room, peer, req.pages[start:upto], dest["pages"][start - held:upto - held]
+
+    def _decode_holds(self, dest: dict) -> int:
+        """Prompt pages decode has in its cache: they are not sent."""
+        return dest.get("cached_tokens", 0) // self.scheduler.pool.page_size
 
     def _on_dest(self, req: Request) -> None:
         """Its destination came: check it, then run the prompt (or ship it, if it has run)."""
         peer, dest, _ = self.dests[req.room]
-        need = self.scheduler.pool.pages_for(len(req.prompt_ids))
+        held, pool = dest.get("cached_tokens", 0), self.scheduler.pool
         problem = None
         if dest.get("prompt_len") != len(req.prompt_ids):
             problem = f"prompt length differs: {len(req.prompt_ids)} tokens here, {dest.get('prompt_len')} on decode"
-        elif len(dest.get("pages", [])) < need:
+        elif not (isinstance(held, int) and 0 <= held <= len(req.prompt_ids) and held % pool.page_size == 0):
+            problem = f"decode holds {held!r} prompt tokens: not whole pages of the prompt"
+        elif len(dest.get("pages", [])) < (need := pool.pages_for(len(req.prompt_ids)) - held // pool.page_size):
             problem = f"decode gave {len(dest.get('pages', []))} pages, the prompt needs {need}"
         if problem:
             self.dests.pop(req.room)

@@ -5,7 +5,9 @@ bootstrap room, and a receiver acts only on rooms it knows, so no request can
 ever take another's KV:
 
     decode -> prefill   queued    room: no KV free here yet, the dest follows (prefill waits without a timeout)
-    decode -> prefill   dest      room, pages, slot, prompt_len: where to write
+    decode -> prefill   dest      room, pages, slot, prompt_len, cached_tokens: where to write; decode
+                                  holds the first cached_tokens (whole pages) of the prompt already,
+                                  and `pages` are those of the rest
     decode -> prefill   abort     room: the decode side gave the request up
     decode -> prefill   ping      room 0: is the prefill engine still there (a failed send says no)
     prefill -> decode   done      room: KV and metadata have landed (the meta write's notification)

@@ -1,0 +1,159 @@
+"""Prefix-aware hand-off (in this process, real NIXL): decode matches the prompt
+in its own cache, prefill sends only the pages decode lacks (none on a full hit:
+just the metadata), output stays the colocated engine's, and both pools stay
+whole, also when a request with matched pages is aborted while KV is in flight."""
+import queue
+import random
+
+import pytest
+
+from backends.disagg import protocol
+from backends.disagg.local import Pair, drain
+from backends.request import SamplingParams
+from tests.engine_utils import collect, small_engine, token_ids
+from tests.test_disagg import wait_for, writes_in_flight
+from tests.test_model_parity import prompts
+
+PARAMS = SamplingParams(max_tokens=20, min_tokens=20)
+PAGE = 4                                     # Pair's page size
+META_BYTES = protocol.META_WIDTH * 8         # the metadata row that follows every request's KV
+
+
+@pytest.fixture(scope="module")
+def colocated(checkpoint):
+    engine = small_engine(checkpoint("llama"))
+    yield engine
+    engine.stop()
+
+
+def page_bytes(pair: Pair) -> int:
+    return pair.decode.scheduler.role.page_bytes
+
+
+def run(pair: Pair, ids: list[int], salt: bytes | None = None) -> tuple[list[int], int, int]:
+    """One request: (its output, KV bytes prefill sent for it, KV bytes decode reused)."""
+    sent, reused = pair.prefill.stats()["kv_bytes_sent"], pair.decode.stats()["kv_bytes_reused"]
+    room, d, p = random.getrandbits(62) + 1, queue.Queue(), queue.Queue()
+    pair.decode.generate(ids, PARAMS, d.put, request_id=f"room-{room}", room=room, cache_salt=salt)
+    pair.prefill.generate(ids, PARAMS, p.put, request_id=f"room-{room}", room=room, cache_salt=salt)
+    dec, pre = drain(d, 60), drain(p, 60)
+    assert dec[-1].error is None and pre[-1].error is None
+    return (token_ids(dec), pair.prefill.stats()["kv_bytes_sent"] - sent,
+            pair.decode.stats()["kv_bytes_reused"] - reused)
+
+
+def conversation(engine_answer, turns: int = 3) -> list[list[int]]:
+    """Each turn's prompt: the last prompt, its answer, and new text."""
+    new_text = prompts(6, seed=7)
+    prompt, asked = list(prompts(4)[3]), []
+    for turn in range(turns):
+        asked.append(prompt)
+        prompt = prompt + engine_answer(prompt) + new_text[turn][:9]
+    return asked
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_later_turns_send_only_the_pages_decode_lacks(checkpoint, colocated, overlap):
+    pair = Pair(checkpoint("llama"), engine_overrides={"overlap": overlap})
+    try:
+        size, results = page_bytes(pair), []
+
+        def answer(ids):
+            results.append(run(pair, ids))
+            return results[-1][0]
+        asked = conversation(answer)
+        expected = [token_ids(collect(colocated, [ids], PARAMS)[0]) for ids in asked]
+        assert [out for out, _, _ in results] == expected
+        first_sent, first_reused = results[0][1:]
+        assert first_reused == 0 and first_sent == -(-len(asked[0]) // PAGE) * size + META_BYTES
+        for before, ids, (_, sent, reused) in zip(asked, asked[1:], results[1:]):
+            # decode holds the last prompt and the answer's KV (all but the last token's) in full pages
+            assert reused >= (len(before) + PARAMS.max_tokens - 1) // PAGE * size
+            assert sent + reused == -(-len(ids) // PAGE) * size + META_BYTES, "a page sent and reused, or neither"
+            assert sent - META_BYTES <= 0.2 * reused, "a later turn must send at least 80 % fewer KV bytes"
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
+@pytest.fixture
+def pair(checkpoint):
+    p = Pair(checkpoint("llama"))
+    yield p
+    p.close()
+
+
+def test_a_repeated_prompt_sends_only_the_metadata(pair, colocated):
+    aligned = prompts(4)[3][:48]   # 12 whole pages: decode holds every one
+    want = token_ids(collect(colocated, [aligned], PARAMS)[0])
+    out, sent, reused = run(pair, aligned)
+    assert out == want and reused == 0 and sent == 12 * page_bytes(pair) + META_BYTES
+    out, sent, reused = run(pair, aligned)
+    assert out == want and sent == META_BYTES and reused == 12 * page_bytes(pair)
+    # a prompt that ends inside a page: that page is sent (decode holds its full pages only)
+    ragged = aligned + [7, 8]
+    out, sent, reused = run(pair, ragged)
+    assert out == token_ids(collect(colocated, [ragged], PARAMS)[0])
+    assert sent == page_bytes(pair) + META_BYTES and reused == 12 * page_bytes(pair)
+    # another cache salt matches nothing
+    out, sent, reused = run(pair, aligned, salt=b"other tenant")
+    assert out == want and reused == 0 and sent == 12 * page_bytes(pair) + META_BYTES
+    assert pair.wait_kv_whole()
+
+
+@pytest.mark.parametrize("cached_on", ["prefill", "decode"])
+def test_what_decode_holds_and_what_prefill_computes_are_independent(checkpoint, colocated, cached_on):
+    """Only prefill caches: it computes one page of the repeated prompt, yet sends all of them
+    (decode holds none). Only decode caches: prefill computes the whole prompt, and sends
+    only the pages decode lacks."""
+    if cached_on == "prefill":
+        pair = Pair(checkpoint("llama"), engine_overrides={"prefix_caching": "off"},
+                    prefill_engine={"prefix_caching": "auto"})
+    else:
+        pair = Pair(checkpoint("llama"), prefill_engine={"prefix_caching": "off"})
+    try:
+        ids = prompts(4)[3]   # 50 tokens: 13 pages, 12 of them full
+        want = token_ids(collect(colocated, [ids], PARAMS)[0])
+        full = 13 * page_bytes(pair) + META_BYTES
+        assert run(pair, ids) == (want, full, 0)
+        hits = pair.prefill.stats()["prefix_cache_hits"]
+        out, sent, reused = run(pair, ids)
+        assert out == want
+        if cached_on == "prefill":
+            assert pair.prefill.stats()["prefix_cache_hits"] - hits == 48 and (sent, reused) == (full, 0)
+        else:
+            assert pair.prefill.stats()["prefix_cache_hits"] == 0
+            assert (sent, reused) == (page_bytes(pair) + META_BYTES, 12 * page_bytes(pair))
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
+def test_an_abort_in_flight_quarantines_only_the_pages_prefill_writes(pair, colocated, monkeypatch):
+    """The turn's matched pages go back at once (prefill never writes them; still cached for the
+    next prompt); the pages being written wait in quarantine until prefill says released."""
+    first = prompts(4)[3]
+    answer, _, _ = run(pair, first)
+    turn = first + answer + prompts(2, seed=7)[1][:9]
+    gate = writes_in_flight(pair, monkeypatch)
+    try:
+        room, d, p = random.getrandbits(62) + 1, queue.Queue(), queue.Queue()
+        pair.decode.generate(turn, PARAMS, d.put, request_id=f"room-{room}", room=room)
+        pair.prefill.generate(turn, PARAMS, p.put, request_id=f"room-{room}", room=room)
+        assert wait_for(lambda: pair.prefill.stats()["shipping"] == 1)   # every KV write posted
+        role = pair.decode.scheduler.role
+        [req] = role.transfer.values()
+        held, written = req.cached_pages, len(req.pages) - req.cached_pages
+        assert held >= (len(first) + len(answer) - 1) // PAGE and written >= 1
+        pair.decode.abort(f"room-{room}")
+        assert drain(d, 10)[-1].finish_reason == "abort"
+        assert wait_for(lambda: pair.decode.stats()["quarantined_pages"] == written)
+        pair.decode.scheduler.check_kv()   # the quarantined pages are held by their pending release
+        assert not pair.kv_whole()
+    finally:
+        gate.set()
+    drain(p, 10)
+    assert pair.wait_kv_whole()
+    out, sent, reused = run(pair, turn)
+    assert out == token_ids(collect(colocated, [turn], PARAMS)[0]) and reused >= held * page_bytes(pair)
+    assert pair.wait_kv_whole()
