@@ -87,7 +87,7 @@ def engine_parameters(role: str) -> dict[str, str]:
         if f.name == "role":
             continue
         params[f.name] = "" if f.name == "model_path" else str(f.default)
-    params["prefix_caching"] = "off" if role == "decode" else "on"   # what auto means for the role, spelled out
+    params["prefix_caching"] = "on"   # what auto means, spelled out
     if role != "colocated":
         for f in dataclasses.fields(DisaggConfig):
             params[f.name] = str(f.default)
@@ -113,7 +113,9 @@ def engine_model(name: str, role: str) -> str:
 
 def router_model() -> str:
     text = model_header("router", "BLS entry point of the disaggregated path; same tensors as llm. "
-                                  "prefill_url / decode_url: host:port of a remote tritonserver, \"\" = this one.")
+                                  "prefill_endpoints / decode_endpoints: comma-separated `local` (this server) or "
+                                  "host:port (a remote tritonserver's gRPC) entries; when empty, prefill_url / decode_url "
+                                  "(\"\" = this server). README: Many servers.")
     text += tensor_block("input", INPUTS) + tensor_block("output", OUTPUTS)
     text += "instance_group [ { count: 1, kind: KIND_CPU } ]\n"
     return text + parameter_block(ROUTER_PARAMETERS)

@@ -103,6 +103,10 @@ def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model
 @pytest.mark.parametrize("parameters, message", [
     ({"prefil_url": "x:1"}, "router: unknown parameter 'prefil_url' in config.pbtxt"),
     ({"token_channel": "maybe"}, "parameter 'token_channel' must be true or false, got 'maybe'"),
+    ({"prefill_endpoints": "local,,h:1"}, "prefill_endpoints: entry 2 of 'local,,h:1' is empty"),
+    ({"decode_endpoints": "h:port"}, "decode_endpoints: 'h:port' is neither `local` nor host:port"),
+    ({"prefill_policy": "random"}, "prefill_policy must be cache_aware or least_load or round_robin, got 'random'"),
+    ({"unhealthy_after": "0"}, "unhealthy_after must be >= 1, got 0"),
 ])
 def test_router_refuses_a_bad_parameter_at_load(tmp_path, parameters, message):
     from tests.server import TritonServer

@@ -126,9 +126,27 @@ def test_two_servers_and_a_prefill_killed_mid_transfer(default_model, tmp_path_f
             gone = stream_generate(a.grpc_url, "router", "Hi", max_tokens=4)
             assert gone.error  # no prefill any more: a clear error, not a hang
             b.start()  # same gRPC, HTTP, metrics and NIXL ports: the same address for A
+            assert wait_endpoint_health(a, b.grpc_url, 1.0), "the restarted prefill server must rejoin"
             again = stream_generate(a.grpc_url, "router", PROMPTS[0], max_tokens=32, chat=True)
             assert again.error is None and again.text == ok.text
             assert a.wait_kv_full("decode") and b.wait_kv_full("prefill")
+
+
+def endpoint_metric(server: TritonServer, name: str, endpoint: str) -> float | None:
+    """The router's per-endpoint metric `name` for `endpoint` (labels in any order)."""
+    for key, value in server.metrics().items():
+        if key.startswith(name + "{") and f'endpoint="{endpoint}"' in key:
+            return value
+    return None
+
+
+def wait_endpoint_health(server: TritonServer, endpoint: str, healthy: float, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if endpoint_metric(server, "tandem_router_endpoint_healthy", endpoint) == healthy:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def stub_pid(server: TritonServer, model: str) -> int:
