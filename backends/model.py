@@ -65,7 +65,8 @@ class LlamaModel:
         self.norm = get("model.norm.weight")
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
         self.lm_head = self.linear.prepare(head)
-        self.greedy_head = pick_greedy_head(self.linear, head, self.lm_head)  # None: greedy from full logits
+        # None: greedy from full logits
+        self.greedy_head = pick_greedy_head(self.linear, head, self.lm_head, tied=head is self.embed)
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.cos_table = self.sin_table = None  # [positions, D], build_rope_tables
         self.fused_kv = False  # rotate q, k and store k, v in one op (ops.rope_store), set by the runner
@@ -156,6 +157,11 @@ class LlamaModel:
         """argmax of `logits(hidden)` per row, row i never one of banned[i], exactly, without all
         the logits (kernels.greedy_head); None where this model has no such head."""
         return self.greedy_head(hidden, banned) if self.greedy_head is not None else None
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """`logits(hidden)[:, ids]` bit for bit, without the other logits (kernels.greedy_head);
+        None where this model cannot (the penalised greedy rows' seen ids: backends.sampler)."""
+        return self.greedy_head.logits_at(hidden, ids) if self.greedy_head is not None else None
 
     def _attention(self, x, w: LayerWeights, kv_layer, positions, cos, sin, attn, plan) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]

@@ -3,11 +3,14 @@
     raw logprobs (rows that ask) -> banned ids (min_tokens) -> penalties (repetition,
     frequency, presence) -> greedy argmax, or temperature -> min_p -> top-k/top-p -> draw
 
-Greedy rows that need no logits (no penalty, no logprobs) go through the model's exact greedy
-head where it has one (kernels.greedy_head); the rest from full logits, on the logits' device,
-each stage only over the rows that use it. A sampled row that fails (its probabilities are
-not a distribution) costs only that row: `RowsFailed` carries every other row's token."""
+Greedy rows that need no logprobs go through the model's exact greedy head where it has one
+(kernels.greedy_head), penalised ones too where it gives logits at a few ids (`_greedy_rows`);
+the rest from full logits, on the logits' device, each stage only over the rows that use it.
+A sampled row that fails (its probabilities are not a distribution) costs only that row:
+`RowsFailed` carries every other row's token."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,23 +29,21 @@ class RowsFailed(RuntimeError):
 def needs_logits(req: Request, with_logprobs: bool) -> bool:
     """Whether a row must be chosen from full logits (the greedy head gives only an argmax)."""
     p = req.params
-    return with_logprobs or p.logprobs is not None or p.penalised or not p.greedy
+    return with_logprobs or p.logprobs is not None or not p.greedy
 
 
 def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[list[int]],
            with_logprobs: bool = True) -> tuple[list[int], list[TokenLogprob | None] | None]:
     """hidden [n, hidden], one row per request (runner.run's output); banned: the ids each
-    row may not pick (its stop ids before min_tokens). `model` has `logits(rows)` and
-    `greedy(rows, banned)` (None where it cannot). Returns token ids and, where a row's
-    request asks for them (or `with_logprobs`, every row: a hand-off carries them), their
-    logprobs (None for the other rows; None in all when none asks)."""
-    fast = [row for row, req in enumerate(requests) if not needs_logits(req, with_logprobs)]
-    fast_tokens = model.greedy(hidden[fast], [banned[row] for row in fast]) if fast else None
-    if fast_tokens is None:
-        return sample_logits(model.logits(hidden), requests, banned, with_logprobs)
-    if len(fast) == len(requests):
-        return fast_tokens, None
-    rest = sorted(set(range(len(requests))) - set(fast))
+    row may not pick (its stop ids before min_tokens). `model` has `logits(rows)`,
+    `greedy(rows, banned)` and `logits_at(rows, ids)` (None where it cannot). Returns token
+    ids and, where a row's request asks for them (or `with_logprobs`, every row: a hand-off
+    carries them), their logprobs (None for the other rows; None in all when none asks)."""
+    heads = [row for row, req in enumerate(requests) if not needs_logits(req, with_logprobs)]
+    by_row = _greedy_rows(model, hidden, requests, banned, heads) if heads else {}
+    rest = [row for row in range(len(requests)) if row not in by_row]
+    if not rest:
+        return [by_row[row] for row in range(len(requests))], None
     errors, rest_logprobs = {}, None
     try:
         rest_tokens, rest_logprobs = sample_logits(model.logits(hidden[rest]), [requests[r] for r in rest],
@@ -50,7 +51,7 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[li
     except RowsFailed as exc:
         rest_tokens, rest_logprobs = exc.tokens, exc.logprobs
         errors = {rest[row]: message for row, message in exc.errors.items()}
-    by_row = dict(zip(fast, fast_tokens)) | dict(zip(rest, rest_tokens))
+    by_row |= dict(zip(rest, rest_tokens))
     tokens = [by_row[row] for row in range(len(requests))]
     logprobs = None
     if rest_logprobs is not None:
@@ -59,6 +60,62 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[li
     if errors:
         raise RowsFailed(tokens, logprobs, errors)
     return tokens, logprobs
+
+
+def _greedy_rows(model, hidden: torch.Tensor, requests: list[Request], banned: list[list[int]],
+                 rows: list[int]) -> dict[int, int]:
+    """The greedy head's tokens of greedy `rows`, by row, in one call; rows it cannot answer are
+    left out (they take the full logits). Penalties change a row's logits only at the ids it
+    has seen, so a penalised row's token is the better of the head's pick with those ids barred
+    (exact over the others) and its best seen id, penalised (`_best_seen`)."""
+    pen = [row for row in rows if requests[row].params.penalised]
+    seen = _best_seen(model, hidden[pen], [requests[r] for r in pen], [banned[r] for r in pen]) if pen else None
+    if seen is None:  # no logits at a few ids from this model: penalised rows take the full logits
+        rows, pen = [row for row in rows if row not in pen], []
+    if not rows:
+        return {}
+    barred = {row: banned[row] for row in rows}
+    for row, ids in zip(pen, seen.ids if pen else ()):
+        barred[row] = np.concatenate([np.asarray(banned[row], dtype=np.int64), ids])
+    tokens = model.greedy(hidden[rows], [barred[row] for row in rows])
+    if tokens is None:
+        return {}
+    by_row = dict(zip(rows, tokens))
+    if pen:
+        picks = torch.tensor([by_row[row] for row in pen])
+        own = model.logits_at(hidden[pen], picks).diagonal()  # an id not seen: no penalty
+        take_seen = (seen.value > own) | ((seen.value == own) & (seen.token < picks))  # argmax: first index
+        for row, token in zip(pen, torch.where(take_seen, seen.token, picks).tolist()):
+            by_row[row] = token
+            requests[row].history.add(token)
+    return by_row
+
+
+class Seen(NamedTuple):
+    ids: list[np.ndarray]   # each row's penalised ids, distinct (`_penalised_ids`)
+    value: torch.Tensor     # [rows] each row's best penalised logit among `columns` (-inf: none)
+    token: torch.Tensor     # [rows] its id (argmax's first on ties)
+
+
+def _best_seen(model, hidden: torch.Tensor, requests: list[Request], banned: list[list[int]]) -> Seen | None:
+    """The penalised rows' best among the ids any of them has seen, after banned ids and
+    penalties as `sample_logits` takes them, from the logits at those ids alone
+    (`model.logits_at`, bit for bit the full logits'); None where the model cannot give those.
+    Another row's ids count too: their logits are exact, and the head's pick beats them."""
+    ids = [np.unique(_penalised_ids(req)) for req in requests]
+    columns = np.unique(np.concatenate(ids))
+    logits = model.logits_at(hidden, torch.from_numpy(columns))
+    if logits is None:
+        return None
+    if not len(columns):
+        return Seen(ids, torch.full((len(requests),), float("-inf")), torch.zeros(len(requests), dtype=torch.int64))
+    for row, stop in enumerate(banned):
+        if len(stop):
+            at = np.searchsorted(columns, stop).clip(max=len(columns) - 1)
+            logits[row, at[columns[at] == stop]] = float("-inf")
+    apply_penalties(logits, list(range(len(requests))), requests, columns)
+    best = logits.argmax(dim=-1)
+    return Seen(ids, logits.gather(1, best[:, None])[:, 0], torch.from_numpy(columns)[best])
 
 
 def sample_logits(logits: torch.Tensor, requests: list[Request], banned: list[list[int]],
@@ -143,6 +200,12 @@ def _history(req: Request) -> History:
     return req.history
 
 
+def _penalised_ids(req: Request) -> np.ndarray:
+    """The ids whose logits the request's penalties change (repetition 1: its outputs only)."""
+    history = _history(req)
+    return history.seen() if req.params.repetition_penalty != 1 else history.outputs
+
+
 def _pad(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ids padded to one width with a copy of the row's own first id (a scatter writes
     it the same value twice), and which entries are real. A row with no ids is all id 0."""
@@ -157,23 +220,28 @@ def _pad(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return ids, real
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request],
+                    columns: np.ndarray | None = None) -> None:
     """In place on `rows` of logits [n, V], only at the ids each row has seen (gathered, then
     scattered back: no pass over the vocabulary): repetition as transformers and vLLM apply
     it (positive logits divided by it, the others multiplied) over prompt and output ids,
-    then frequency x count and presence over output ids (OpenAI's, vLLM's definition)."""
+    then frequency x count and presence over output ids (OpenAI's, vLLM's definition).
+    columns: the sorted ids that logits' columns hold, every id the rows' penalties change
+    (`_best_seen`); None: the whole vocabulary."""
     device, dtype = logits.device, logits.dtype
     hists = [_history(req) for req in requests]
+    # padding maps too: a row's own first id, or id 0 where a row has no outputs (which adds 0)
+    at = (lambda ids: ids) if columns is None else (lambda ids: np.searchsorted(columns, ids))
     index = torch.tensor(rows, device=device)[:, None]
     column = lambda values: torch.tensor(values, dtype=dtype, device=device)[:, None]
     if any(req.params.repetition_penalty != 1 for req in requests):
-        ids = torch.from_numpy(_pad([h.seen() for h in hists])[0]).to(device)
+        ids = torch.from_numpy(at(_pad([_penalised_ids(req) for req in requests])[0])).to(device)
         r = column([req.params.repetition_penalty for req in requests])
         v = logits[index, ids]
         logits[index, ids] = torch.where(v > 0, v / r, v * r)
     if any(req.params.presence_penalty or req.params.frequency_penalty for req in requests):
         ids, real = _pad([h.outputs for h in hists])
-        ids, real = torch.from_numpy(ids).to(device), torch.from_numpy(real).to(device)
+        ids, real = torch.from_numpy(at(ids)).to(device), torch.from_numpy(real).to(device)
         presence = column([req.params.presence_penalty * (h.n > 0) for req, h in zip(requests, hists)])
         frequency = column([req.params.frequency_penalty for req in requests])
         logits[index, ids] = logits[index, ids] - presence

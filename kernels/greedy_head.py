@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 
+import numpy as np
 import torch
 
 from kernels.linear import PackedWeight, PanelLinear
@@ -19,8 +20,10 @@ from kernels.linear import PackedWeight, PanelLinear
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 LANES = 16  # outputs per bf16 panel; csrc/greedy_head.c's LANES
 KBLOCK = 32  # k per AMX tile: the packed k is padded to a multiple (csrc/greedy_head.c's KBLOCK2 pairs)
-# x, ldx, bf16 panels, fp32 panels, norms, M, N, K, banned, offsets, scratch, tokens, candidates, amx
-SIGNATURES = {"greedy_head": (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64),
+# greedy_head: x, ldx, bf16 panels, fp32 panels, fp32 rows (or NULL), norms, M, N, K, banned, offsets, scratch,
+# tokens, candidates, amx; greedy_head_logits: x, ldx, weight (rows or panels), has rows, M, K, ids, n ids, out
+SIGNATURES = {"greedy_head": (_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64),
+              "greedy_head_logits": (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr),
               "greedy_head_amx_ready": ()}
 
 
@@ -42,13 +45,17 @@ def row_norms(weight: torch.Tensor) -> torch.Tensor:
 
 
 class GreedyHead:
-    def __init__(self, weight: torch.Tensor, packed: PackedWeight, amx: bool | None = None):
+    def __init__(self, weight: torch.Tensor, packed: PackedWeight, amx: bool | None = None, tied: bool = False):
         """amx: screen on the AMX tiles (None: where the CPU and the OS allow it; True where they
-        do not is an error)."""
+        do not is an error). tied: the model keeps `weight` anyway (its embeddings), so
+        exact logits (the candidates', `logits_at`'s) read an id's row (2.3 KB on the default
+        model) instead of the panels (36 KB: one float of each cache line); else no second fp32
+        copy is kept."""
         from kernels import cbuild
 
         lib = cbuild.load("greedy_head", SIGNATURES)
-        self._kernel = lib.greedy_head
+        self._kernel, self._logits = lib.greedy_head, lib.greedy_head_logits
+        self.rows = weight if tied and weight.dtype == torch.float32 and weight.is_contiguous() else None
         ready = bool(lib.greedy_head_amx_ready())
         if amx and not ready:
             raise RuntimeError("the greedy head cannot use AMX here (CPU, compiler or OS)")
@@ -65,18 +72,35 @@ class GreedyHead:
             hidden = hidden.contiguous()
         m = hidden.shape[0]
         banned = banned or [[]] * m
-        flat = torch.tensor([t for ids in banned for t in ids] or [0], dtype=torch.int64)
+        flat = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [[0]]))
         offsets = torch.tensor([0, *itertools.accumulate(len(ids) for ids in banned)], dtype=torch.int64)
         scratch = torch.empty(m, self.norms.numel(), dtype=torch.float32)
         tokens = torch.empty(m, dtype=torch.int64)
         count = ctypes.c_int64(0)
+        rows = self.rows.data_ptr() if self.rows is not None else None
         rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.bf16.data_ptr(), self.packed.panels.data_ptr(),
-                          self.norms.data_ptr(), m, self.n, self.k, flat.data_ptr(), offsets.data_ptr(),
+                          rows, self.norms.data_ptr(), m, self.n, self.k, flat.data_ptr(), offsets.data_ptr(),
                           scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(count), int(self.amx))
         if rc != 0:
             return None
         self.candidates += count.value
         return tokens.tolist()
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[M, len(ids)] fp32: each row's logits at ids (int64, each below N), bit for bit those of
+        the full logits (the panel GEMM's), without the others."""
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.n:
+            raise ValueError(f"expected ids in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")
+        out = torch.empty(hidden.shape[0], ids.numel(), dtype=torch.float32)
+        source = self.rows if self.rows is not None else self.packed.panels
+        rc = self._logits(hidden.data_ptr(), hidden.stride(0), source.data_ptr(), int(self.rows is not None),
+                          hidden.shape[0], self.k, ids.data_ptr(), ids.numel(), out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"greedy_head_logits failed ({rc})")
+        return out
 
     def runs_here(self) -> bool:
         return self(torch.ones(1, self.k)) is not None
@@ -104,15 +128,20 @@ class DeviceGreedyHead:
         done.synchronize()
         return host.tolist()
 
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> None:
+        """None: on a GPU the full logits cost little, and a matmul over a few ids need not
+        round as the full one does (penalised rows take the full logits)."""
+        return None
 
-def pick_greedy_head(linear, weight: torch.Tensor, packed) -> GreedyHead | DeviceGreedyHead | None:
+
+def pick_greedy_head(linear, weight: torch.Tensor, packed, tied: bool = False) -> GreedyHead | DeviceGreedyHead | None:
     """On a GPU the device head; on a CPU the screened head where the lm_head is the panel
-    GEMM's and the CPU has AVX-512 BF16."""
+    GEMM's and the CPU has AVX-512 BF16. tied: `weight` is the model's embeddings (GreedyHead)."""
     from kernels import cbuild
 
     if weight.is_cuda:
         return DeviceGreedyHead(linear, packed)
     if not isinstance(linear, PanelLinear) or not cbuild.available("greedy_head", SIGNATURES):
         return None
-    head = GreedyHead(weight, packed)
+    head = GreedyHead(weight, packed, tied=tied)
     return head if head.runs_here() else None

@@ -265,11 +265,12 @@ def test_min_p_keeps_only_ids_near_the_most_likely():
 
 
 class CountingModel:
-    """The greedy head and the full logits of a random lm_head, calls counted."""
+    """The greedy head and the full logits of a random lm_head, calls counted; logits at a few
+    ids only where `exact` (else None, as on a GPU)."""
 
-    def __init__(self):
-        self.w = torch.randn(30, 8, generator=torch.Generator().manual_seed(1))
-        self.calls = []
+    def __init__(self, exact: bool = False, weight: torch.Tensor | None = None):
+        self.w = torch.randn(30, 8, generator=torch.Generator().manual_seed(1)) if weight is None else weight
+        self.exact, self.calls = exact, []
 
     def logits(self, hidden):
         self.calls.append(("logits", len(hidden)))
@@ -277,12 +278,20 @@ class CountingModel:
 
     def greedy(self, hidden, banned):
         self.calls.append(("greedy", len(hidden)))
-        return (hidden @ self.w.T).argmax(-1).tolist()
+        logits = hidden @ self.w.T
+        for row, ids in enumerate(banned):
+            logits[row, torch.as_tensor(ids, dtype=torch.int64)] = float("-inf")
+        return logits.argmax(-1).tolist()
+
+    def logits_at(self, hidden, ids):
+        self.calls.append(("logits_at", len(hidden)))
+        return (hidden @ self.w.T)[:, ids] if self.exact else None
 
 
 def test_rows_without_penalties_cost_nothing(monkeypatch):
     """Plain greedy rows keep the greedy head while a neighbour is penalised; a batch with
-    no penalised row never enters the penalty code."""
+    no penalised row never enters the penalty code; a penalised greedy row takes the full
+    logits only where the model gives no logits at a few ids."""
     import backends.sampler as sampler
     entered = []
     real = sampler.apply_penalties
@@ -292,7 +301,86 @@ def test_rows_without_penalties_cost_nothing(monkeypatch):
     sample(model, x, plain, [[], [], []], with_logprobs=False)
     assert model.calls == [("greedy", 3)] and entered == []
     model.calls.clear()
-    mixed = [_request([1], []), _request([1, 2], [], repetition_penalty=1.5), _request([1], [])]
-    tokens, _ = sample(model, x, mixed, [[], [], []], with_logprobs=False)
-    assert model.calls == [("greedy", 2), ("logits", 1)] and entered == [[0]]
+    mixed = lambda: [_request([1], []), _request([1, 2], [], repetition_penalty=1.5), _request([1], [])]
+    tokens, _ = sample(model, x, mixed(), [[], [], []], with_logprobs=False)
+    assert model.calls == [("logits_at", 1), ("greedy", 2), ("logits", 1)] and entered == [[0]]
     assert [tokens[0], tokens[2]] == (x @ model.w.T).argmax(-1)[[0, 2]].tolist()
+    exact = CountingModel(exact=True)
+    assert sample(exact, x, mixed(), [[], [], []], with_logprobs=False)[0] == tokens
+    assert exact.calls == [("logits_at", 1), ("greedy", 3), ("logits_at", 1)]
+
+
+PENALTIES = [dict(repetition_penalty=2.0), dict(repetition_penalty=0.5), dict(presence_penalty=-1.0),
+             dict(frequency_penalty=1.0), dict(presence_penalty=1.0, frequency_penalty=-0.5),
+             dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5),
+             dict(repetition_penalty=0.75, presence_penalty=-0.5, frequency_penalty=0.25)]
+
+
+def _both_paths(model, hidden_of, prompts_, banned_of, steps: int) -> tuple[list[list[int]], int, int]:
+    """Each PENALTIES row (several of each kind) `steps` tokens twice, through `sample` and
+    through the full logits (sample_logits: banned, penalties, argmax), each path its own
+    requests and histories; hidden_of(step, seen ids of each row) gives the rows. Asserts
+    equal tokens every step, and that `sample` never took the full logits; returns the tokens,
+    and how many were seen ids and unseen ids (both must occur for the run to mean anything)."""
+    logits, full_rows = model.logits, []
+    model.logits = lambda hidden: (full_rows.append(len(hidden)), logits(hidden))[1]  # the reference's alone
+    params = [PENALTIES[row % len(PENALTIES)] for row in range(len(prompts_))]
+    fast = [_request(p, [], **kw) for p, kw in zip(prompts_, params)]
+    full = [_request(p, [], **kw) for p, kw in zip(prompts_, params)]
+    out, seen_hits, unseen_hits = [[] for _ in prompts_], 0, 0
+    for step in range(steps):
+        hidden = hidden_of(step, [p + o for p, o in zip(prompts_, out)])
+        banned = banned_of(step)
+        want = sample_logits(model.logits(hidden), full, banned, with_logprobs=False)[0]
+        got = sample(model, hidden, fast, banned, with_logprobs=False)[0]
+        assert got == want, f"step {step}"
+        for row, token in enumerate(got):
+            seen_hits += token in prompts_[row] + out[row]
+            unseen_hits += token not in prompts_[row] + out[row]
+            out[row].append(token)
+    assert [r.history.outputs.tolist() for r in fast] == out == [r.history.outputs.tolist() for r in full]
+    assert full_rows == [len(prompts_)] * steps
+    return out, seen_hits, unseen_hits
+
+
+def test_penalised_greedy_rows_equal_the_full_logits_with_ties():
+    """Integer weights and rows, so penalised logits tie with others (repetition 2 halves 4 into
+    2, a frequency of 1 takes 3 to 2): the head's path picks the first index as argmax does,
+    banned ids stay banned, and every step equals the full logits'."""
+    g = torch.Generator().manual_seed(5)
+    model = CountingModel(exact=True, weight=torch.randint(-3, 4, (40, 6), generator=g).float())
+    prompts_ = [torch.randint(0, 40, (n,), generator=g).tolist() for n in (1, 3, 6, 2, 9, 4, 5, 1, 7, 2, 3, 8, 6, 4)]
+    hidden_of = lambda step, seen: torch.randint(-2, 3, (len(prompts_), 6), generator=g).float()
+    banned_of = lambda step: [[step % 40, 7] if row % 3 == 0 else [] for row in range(len(prompts_))]
+    _, seen_hits, unseen_hits = _both_paths(model, hidden_of, prompts_, banned_of, 40)
+    assert seen_hits > 50 and unseen_hits > 50
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "default"])
+def test_penalised_greedy_rows_through_the_head_equal_the_full_logits(checkpoint, default_model, arch):
+    """The real greedy head (tied embeddings: llama, the default model; an lm_head of its own:
+    qwen2) on rows made to favour the ids each row has seen (their embeddings summed, plus
+    noise), so its penalties decide between seen and unseen ids: 64 steps of 14 rows, every
+    kind of penalty, with banned ids, equal the full logits' tokens each step."""
+    from backends.config import EngineConfig
+    from backends.engine import Engine
+
+    path = default_model if arch == "default" else checkpoint(arch)
+    model = Engine(EngineConfig(model_path=path)).runner.model
+    if model.greedy_head is None:
+        pytest.skip("no greedy head on this CPU (the panel GEMM and AVX-512 BF16)")
+    vocab = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(7)
+    x, ids = torch.randn(19, model.cfg.hidden_size, generator=g), torch.randint(0, vocab, (300,), generator=g)
+    assert torch.equal(model.logits_at(x, ids), model.logits(x)[:, ids])  # bit for bit, 2 blocks of rows
+    prompts_ = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 40, 9, 1, 25, 12, 60, 5, 17, 30,
+                                                                                 2, 8, 50, 11)]
+    embed = model.embed
+
+    def hidden_of(step, seen):
+        rows = torch.stack([embed[torch.tensor(ids[-8:])].sum(0) for ids in seen])
+        return rows + torch.randn(rows.shape, generator=g) * rows.norm(dim=-1, keepdim=True) / rows.shape[1] ** 0.5
+    banned_of = lambda step: [[int(t) for t in torch.randint(0, vocab, (3,), generator=g)] if row % 4 == 1 else []
+                              for row in range(len(prompts_))]
+    _, seen_hits, unseen_hits = _both_paths(model, hidden_of, prompts_, banned_of, 64)
+    assert seen_hits > 20 and unseen_hits > 20

@@ -83,13 +83,16 @@ static void screen(const uint32_t *xb, int64_t k2, const uint16_t *wp, const flo
     }
 }
 
-/* x[m, k] . W[n, k] in fp32, one FMA chain over k in order: bit for bit panel_gemm.c's output. */
-static float exact_logit(const float *x, const float *panels, int64_t k_dim, int64_t n)
+/* x[m, k] . W[n, k] in fp32, one FMA chain over k in order: bit for bit panel_gemm.c's output.
+ * From W's row where the caller has W [N, K] (K floats in a row), else from the panels (one
+ * float of each cache line: 16 times the bytes, which a row with many candidates feels). */
+static float exact_logit(const float *x, const float *panels, const float *rows, int64_t k_dim, int64_t n)
 {
-    const float *w = panels + (n / F32_PANEL) * F32_PANEL * k_dim + n % F32_PANEL;
+    const float *w = rows ? rows + n * k_dim : panels + (n / F32_PANEL) * F32_PANEL * k_dim + n % F32_PANEL;
+    const int64_t step = rows ? 1 : F32_PANEL;
     float acc = 0.0f;
     for (int64_t k = 0; k < k_dim; k++)
-        acc = fmaf(x[k], w[k * F32_PANEL], acc);
+        acc = fmaf(x[k], w[k * step], acc);
     return acc;
 }
 
@@ -109,7 +112,7 @@ static float lower_max(const float *s, const float *wnorm, float coef, int64_t n
 
 /* Row m's winner among its candidates, scanned in index order (first index wins ties). A barred
  * token's screen is -inf: its upper bound, -inf + inf, is NaN, never a candidate. */
-static int64_t pick(const float *x, const float *s, const float *panels, const float *wnorm, float coef,
+static int64_t pick(const float *x, const float *s, const float *panels, const float *rows, const float *wnorm, float coef,
                     float lb, int64_t n_dim, int64_t k_dim, int64_t *count)
 {
     const __m512 vc = _mm512_set1_ps(coef), vlb = _mm512_set1_ps(lb);
@@ -122,7 +125,7 @@ static int64_t pick(const float *x, const float *s, const float *panels, const f
             hits &= (1u << (n_dim - n0)) - 1;
         for (; hits; hits &= hits - 1) {
             const int64_t n = n0 + __builtin_ctz(hits);
-            const float v = exact_logit(x, panels, k_dim, n);
+            const float v = exact_logit(x, panels, rows, k_dim, n);
             (*count)++;
             if (best < 0 || v > best_val)
                 best = n, best_val = v;
@@ -229,11 +232,12 @@ int greedy_head_amx_ready(void) { return 0; }
 #endif
 
 /* x [M, K] (row stride ldx); wb: the bf16 panels; panels: panel_gemm.c's fp32 packing of the
- * same W; wnorm [N16]: ||W_j|| (0 past N); s: scratch [M, N16]; banned: the barred token ids of
- * row m at banned[offsets[m] .. offsets[m + 1]); tokens [M]; candidates: the number of exact
+ * same W; rows: W [N, K] where the caller keeps it, else NULL; wnorm [N16]: ||W_j|| (0 past N);
+ * s: scratch [M, N16]; banned: the barred token ids of row m at banned[offsets[m] ..
+ * offsets[m + 1]); tokens [M]; candidates: the number of exact
  * logits computed, over all rows; amx: screen on the AMX tiles where greedy_head_amx_ready(). */
-int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *wnorm,
-                int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
+int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *rows,
+                const float *wnorm, int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
                 float *s, int64_t *tokens, int64_t *candidates, int64_t amx)
 {
     const int64_t k2 = ((k_dim + 1) / 2 + KBLOCK2 - 1) / KBLOCK2 * KBLOCK2;
@@ -289,7 +293,7 @@ int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *pa
     for (int64_t m = 0; m < m_dim; m++) {
         float *sm = s + m * n16;
         const float lbm = bar(sm, wnorm, coef[m], lb[m], banned + offsets[m], offsets[m + 1] - offsets[m], n_dim);
-        tokens[m] = pick(x + m * ldx, sm, panels, wnorm, coef[m], lbm, n_dim, k_dim, &count);
+        tokens[m] = pick(x + m * ldx, sm, panels, rows, wnorm, coef[m], lbm, n_dim, k_dim, &count);
         bad |= tokens[m] < 0;
     }
     free(xb), free(coef), free(lb);
@@ -297,13 +301,71 @@ int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *pa
     return bad ? -2 : 0;
 }
 
+/* out[m, u] = x[m] . W[ids[u]] for every row m and each of n_ids ids, exactly as panel_gemm.c
+ * computes that logit (one FMA chain over k in order): the penalised greedy rows' logits at the
+ * ids they have seen (backends/sampler.py). W is read from rows [N, K] where given (tied
+ * embeddings: K floats an id in a row, 2.3 KB on the default model), else from the panels
+ * (one float of each k's cache line: 36 KB an id). 16 rows a vector, 8 ids at a time (8
+ * independent chains hide the FMA's latency); x goes through xt [K, 16] per row block. */
+enum { IDS = 8 };
+static void logits_block(const float *xt, const float *w, const int64_t *ids, int64_t n_ids, int64_t k_dim,
+                         int has_rows, int64_t rows, float *out, int64_t ldo)
+{
+    const float *wn[IDS];
+    const int64_t step = has_rows ? 1 : F32_PANEL;
+    for (int i = 0; i < IDS; i++) {
+        const int64_t n = ids[i < n_ids ? i : 0];
+        wn[i] = has_rows ? w + n * k_dim : w + (n / F32_PANEL) * F32_PANEL * k_dim + n % F32_PANEL;
+    }
+    __m512 acc[IDS];
+    for (int i = 0; i < IDS; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_dim; k++) {
+        const __m512 xv = _mm512_loadu_ps(xt + k * LANES);
+        for (int i = 0; i < IDS; i++)
+            acc[i] = _mm512_fmadd_ps(xv, _mm512_set1_ps(wn[i][k * step]), acc[i]);
+    }
+    float v[IDS][LANES];
+    for (int i = 0; i < IDS; i++)
+        _mm512_storeu_ps(v[i], acc[i]);
+    for (int64_t m = 0; m < rows; m++)
+        for (int i = 0; i < IDS && i < n_ids; i++)
+            out[m * ldo + i] = v[i][m];
+}
+
+/* x [M, K] (row stride ldx); w: W's rows [N, K] (has_rows) or panel_gemm.c's panels; out [M, n_ids]. */
+int greedy_head_logits(const float *x, int64_t ldx, const float *w, int64_t has_rows, int64_t m_dim, int64_t k_dim,
+                       const int64_t *ids, int64_t n_ids, float *out)
+{
+    float *xt = aligned_alloc(64, (size_t)k_dim * LANES * sizeof(float));
+    if (!xt)
+        return -3;
+    for (int64_t row = 0; row < m_dim; row += LANES) {
+        const int64_t rows = m_dim - row < LANES ? m_dim - row : LANES;
+        for (int64_t k = 0; k < k_dim; k++)
+            for (int64_t m = 0; m < LANES; m++)
+                xt[k * LANES + m] = m < rows ? x[(row + m) * ldx + k] : 0.0f;
+#pragma omp parallel for schedule(dynamic, 4) if (n_ids * k_dim >= 65536)  /* a team's start costs more below */
+        for (int64_t u = 0; u < n_ids; u += IDS)
+            logits_block(xt, w, ids + u, n_ids - u, k_dim, (int)has_rows, rows, out + row * n_ids + u, n_ids);
+    }
+    free(xt);
+    return 0;
+}
+
 #else
-int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *wnorm,
-                int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
+int greedy_head(const float *x, int64_t ldx, const uint16_t *wb, const float *panels, const float *rows,
+                const float *wnorm, int64_t m_dim, int64_t n_dim, int64_t k_dim, const int64_t *banned, const int64_t *offsets,
                 float *s, int64_t *tokens, int64_t *candidates, int64_t amx)
 {
-    (void)x, (void)ldx, (void)wb, (void)panels, (void)wnorm, (void)m_dim, (void)n_dim, (void)k_dim;
+    (void)x, (void)ldx, (void)wb, (void)panels, (void)rows, (void)wnorm, (void)m_dim, (void)n_dim, (void)k_dim;
     (void)banned, (void)offsets, (void)s, (void)tokens, (void)candidates, (void)amx;
+    return -1;
+}
+int greedy_head_logits(const float *x, int64_t ldx, const float *w, int64_t has_rows, int64_t m_dim, int64_t k_dim,
+                       const int64_t *ids, int64_t n_ids, float *out)
+{
+    (void)x, (void)ldx, (void)w, (void)has_rows, (void)m_dim, (void)k_dim, (void)ids, (void)n_ids, (void)out;
     return -1;
 }
 #endif
