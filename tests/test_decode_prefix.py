@@ -157,3 +157,37 @@ def test_an_abort_in_flight_quarantines_only_the_pages_prefill_writes(pair, colo
     out, sent, reused = run(pair, turn)
     assert out == token_ids(collect(colocated, [turn], PARAMS)[0]) and reused >= held * page_bytes(pair)
     assert pair.wait_kv_whole()
+
+
+# ---- through tritonserver: `router` over `prefill` and `decode`, the metric on its port ----
+@pytest.mark.server
+def test_a_conversation_through_the_router_reuses_decode_kv(default_model, tmp_path):
+    from client.stream import stream_generate
+    from tests.server import TritonServer, free_port
+    from tests.test_router import LONG, disagg_parameters
+    server = TritonServer(str(tmp_path / "repo"), models=["llm", "prefill", "decode", "router"],
+                          parameters=disagg_parameters(free_port()))
+    with server:
+        counters = lambda: (server.metrics().get('tandem_kv_bytes_sent{model="prefill"}', 0),
+                            server.metrics().get('tandem_kv_bytes_reused{model="decode"}', 0))
+
+        def turn(prompt: str) -> tuple[str, float, float]:
+            """The router's answer (the same as llm's), and the KV bytes sent and reused for it."""
+            before = counters()
+            routed = stream_generate(server.grpc_url, "router", prompt, max_tokens=24)
+            local = stream_generate(server.grpc_url, "llm", prompt, max_tokens=24)
+            assert routed.error is None and routed.token_ids == local.token_ids, prompt[-60:]
+            assert wait_for(lambda: counters()[0] > before[0])   # counters are published every 0.1 s
+            assert wait_for(lambda: all(server.wait_kv_full(m, 1) for m in ("prefill", "decode")))
+            after = counters()
+            return routed.text, after[0] - before[0] - META_BYTES, after[1] - before[1]
+
+        prompt = LONG
+        answer, first_sent, first_reused = turn(prompt)
+        assert first_reused == 0 and first_sent > 0
+        for follow_up in (" What colour is item 7?", " And item 8?"):
+            prompt = prompt + answer + follow_up
+            answer, sent, reused = turn(prompt)
+            assert reused > 0 and sent <= 0.2 * (sent + reused), "a later turn must send 80 % fewer KV bytes"
+        _, sent, reused = turn(prompt)   # the same prompt again: at most its last, partial page goes
+        assert sent <= (sent + reused) / 20
