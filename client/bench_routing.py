@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--num-prefix-prompts", type=int, default=4)
+    ap.add_argument("--num-prefix-prompts", type=int, default=24)
     ap.add_argument("--prefix-prompt-length", type=int, default=512)
     ap.add_argument("--input-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=16)

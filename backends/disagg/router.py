@@ -61,6 +61,9 @@ PARAMETERS = {
 # frame may still be on its way through the channel's reader.
 CHANNEL_GRACE_S = 5.0
 DESCRIBE_TIMEOUT_S = 5.0
+# How long finalize waits for a check in flight (a server stops within 5 s of a SIGTERM; a
+# local model being unloaded answers a describe at once, with an error).
+STOP_WAIT_S = 2.0
 CHILD_OUTPUTS = ["text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens", "logprobs",
                  "num_cached_tokens"]
 
@@ -533,7 +536,7 @@ class HealthChecker:
 
     def stop(self) -> None:
         self.stopped.set()
-        self.thread.join(timeout=DESCRIBE_TIMEOUT_S + 1)
+        self.thread.join(timeout=STOP_WAIT_S)
 
 
 class EndpointMetrics:
