@@ -319,7 +319,8 @@ PENALTIES = [dict(repetition_penalty=2.0), dict(repetition_penalty=0.5), dict(pr
 def _both_paths(model, hidden_of, prompts_, banned_of, steps: int) -> tuple[list[list[int]], int, int]:
     """Each PENALTIES row (several of each kind) `steps` tokens twice, through `sample` and
     through the full logits (sample_logits: banned, penalties, argmax), each path its own
-    requests and histories; hidden_of(step, seen ids of each row) gives the rows. Asserts
+    requests and histories; hidden_of and banned_of(step, seen ids of each row) give the rows
+    and their banned ids. Asserts
     equal tokens every step, and that `sample` never took the full logits; returns the tokens,
     and how many were seen ids and unseen ids (both must occur for the run to mean anything)."""
     logits, full_rows = model.logits, []
@@ -329,8 +330,8 @@ def _both_paths(model, hidden_of, prompts_, banned_of, steps: int) -> tuple[list
     full = [_request(p, [], **kw) for p, kw in zip(prompts_, params)]
     out, seen_hits, unseen_hits = [[] for _ in prompts_], 0, 0
     for step in range(steps):
-        hidden = hidden_of(step, [p + o for p, o in zip(prompts_, out)])
-        banned = banned_of(step)
+        seen = [p + o for p, o in zip(prompts_, out)]
+        hidden, banned = hidden_of(step, seen), banned_of(step, seen)
         want = sample_logits(model.logits(hidden), full, banned, with_logprobs=False)[0]
         got = sample(model, hidden, fast, banned, with_logprobs=False)[0]
         assert got == want, f"step {step}"
@@ -351,7 +352,7 @@ def test_penalised_greedy_rows_equal_the_full_logits_with_ties():
     model = CountingModel(exact=True, weight=torch.randint(-3, 4, (40, 6), generator=g).float())
     prompts_ = [torch.randint(0, 40, (n,), generator=g).tolist() for n in (1, 3, 6, 2, 9, 4, 5, 1, 7, 2, 3, 8, 6, 4)]
     hidden_of = lambda step, seen: torch.randint(-2, 3, (len(prompts_), 6), generator=g).float()
-    banned_of = lambda step: [[step % 40, 7] if row % 3 == 0 else [] for row in range(len(prompts_))]
+    banned_of = lambda step, seen: [[step % 40, 7] if row % 3 == 0 else [] for row in range(len(prompts_))]
     _, seen_hits, unseen_hits = _both_paths(model, hidden_of, prompts_, banned_of, 40)
     assert seen_hits > 50 and unseen_hits > 50
 
@@ -380,7 +381,8 @@ def test_penalised_greedy_rows_through_the_head_equal_the_full_logits(checkpoint
     def hidden_of(step, seen):
         rows = torch.stack([embed[torch.tensor(ids[-8:])].sum(0) for ids in seen])
         return rows + torch.randn(rows.shape, generator=g) * rows.norm(dim=-1, keepdim=True) / rows.shape[1] ** 0.5
-    banned_of = lambda step: [[int(t) for t in torch.randint(0, vocab, (3,), generator=g)] if row % 4 == 1 else []
-                              for row in range(len(prompts_))]
+    # a random id, and two the row has seen last (the rows favour them): banned, they must stay so
+    banned_of = lambda step, seen: [[int(torch.randint(0, vocab, (1,), generator=g)), *ids[-2:]] if row % 4 == 1
+                                    else [] for row, ids in enumerate(seen)]
     _, seen_hits, unseen_hits = _both_paths(model, hidden_of, prompts_, banned_of, 64)
     assert seen_hits > 20 and unseen_hits > 20
