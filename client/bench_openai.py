@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -49,18 +50,26 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
 
 
+def _children_cpu() -> float:
+    """CPU seconds of the finished child processes: genai-perf and its perf_analyzer, the load
+    generator, which shares the machine's cores with the server it measures."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(path: str, args, seed: int, out_dir: str, round_: int) -> dict:
     run_dir = os.path.join(out_dir, f"round{round_}", path)
     os.makedirs(run_dir, exist_ok=True)
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}   # its perf_analyzer
-    start, cpu = time.time(), cpu_seconds(args.service_pid)
+    start, cpu, client = time.time(), cpu_seconds(args.service_pid), _children_cpu()
     with open(os.path.join(run_dir, "genai-perf.log"), "w") as log:
         proc = subprocess.run(genai_perf_cmd(path, args, seed, run_dir), cwd=run_dir, stdout=log,
                               stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"genai-perf ({path}) exited {proc.returncode}; log: {run_dir}/genai-perf.log")
     row = {"path": path, "round": round_, "seconds": round(time.time() - start, 1),
-           "service_cpu_s": cpu_seconds(args.service_pid) - cpu, **bench_report.summary(run_dir)}
+           "service_cpu_s": cpu_seconds(args.service_pid) - cpu, "client_cpu_s": _children_cpu() - client,
+           **bench_report.summary(run_dir)}
     if row["osl"]["min"] < args.output_tokens * 0.9:
         raise RuntimeError(f"{path}: output lengths {row['osl']} are not the forced {args.output_tokens}")
     return row
@@ -89,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in ("grpc", "openai"):
         run(path, argparse.Namespace(**{**vars(args), "requests": args.concurrency}), seed=10_000,
             out_dir=out_dir, round_=-1)
-    print(f"{'round':>5} {'path':>6} {'tok/s':>8} {'TTFT p50':>9} {'ITL p50':>8} {'service CPU':>12}", flush=True)
+    print(f"{'round':>5} {'path':>6} {'tok/s':>8} {'TTFT p50':>9} {'ITL p50':>8} {'service CPU':>12} {'client CPU':>10}", flush=True)
     for r in range(args.rounds):
         # Which path goes first alternates, so a drift of the machine favours neither.
         for path in (("grpc", "openai") if r % 2 == 0 else ("openai", "grpc")):
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             row["service_us_per_token"] = row["service_cpu_s"] / tokens * 1e6
             print(f"{r:>5} {path:>6} {row['output_tok_s']:>8.1f} {row['ttft_ms']['p50']:>7.0f}ms "
                   f"{row['itl_ms']['p50']:>6.1f}ms {row['service_cpu_s']:>6.2f}s "
-                  f"({row['service_us_per_token']:.0f} us/token)", flush=True)
+                  f"({row['service_us_per_token']:.0f} us/token) {row['client_cpu_s']:>8.1f}s", flush=True)
     ratios = [next(x for x in rows if x["round"] == r and x["path"] == "openai")["output_tok_s"] /
               next(x for x in rows if x["round"] == r and x["path"] == "grpc")["output_tok_s"] for r in range(args.rounds)]
     med = {p: statistics.median(x["output_tok_s"] for x in rows if x["path"] == p) for p in ("grpc", "openai")}
