@@ -191,3 +191,23 @@ def test_a_conversation_through_the_router_reuses_decode_kv(default_model, tmp_p
             assert reused > 0 and sent <= 0.2 * (sent + reused), "a later turn must send 80 % fewer KV bytes"
         _, sent, reused = turn(prompt)   # the same prompt again: at most its last, partial page goes
         assert sent <= (sent + reused) / 20
+
+
+def test_a_preempted_request_gives_its_matched_pages_back(checkpoint, colocated):
+    """40 decode pages, no decode reserve: two turns that share a cached 12-page prefix and
+    decode 60 tokens each outgrow the pool, and one is preempted (it recomputes here). Output
+    is the colocated engine's, and every reference comes back."""
+    pair = Pair(checkpoint("llama"), engine_overrides={"num_pages": 40}, prefill_engine={"num_pages": 256},
+                decode_reserve_tokens=0)
+    long = SamplingParams(max_tokens=60, min_tokens=60)
+    try:
+        first = prompts(4)[3][:48]
+        run(pair, first)
+        turns = [first + tail[:4] for tail in prompts(6, seed=7)[1:3]]
+        results = pair.run(turns, long)
+        expected = [token_ids(o) for o in collect(colocated, turns, long)]
+        assert [token_ids(dec) for dec, _ in results] == expected
+        assert pair.decode.stats()["preemptions"] > 0 and pair.decode.stats()["kv_bytes_reused"] > 0
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
