@@ -133,26 +133,30 @@ def test_a_decode_stream_whose_channel_breaks_ends_with_an_error_and_aborts():
 
 
 def test_the_router_forwards_a_batch_per_relay_in_order():
-    """Frames of several rooms that came together: each relay gets its own in order."""
+    """Frames of several rooms that came together: each relay gets its own in order; a relay
+    whose attempt failed (its decode room cancelled, an abort on its way) gets none."""
     import concurrent.futures
     import threading
+    import types
 
     from backends.disagg.router import RouterModel
 
     class Relay:
-        def __init__(self):
-            self.got = []
+        def __init__(self, ended: bool = False):
+            self.got, self.attempt = [], types.SimpleNamespace(ended=ended)
 
         def from_decode(self, out):
             self.got.append(out.text)
 
     router = RouterModel.__new__(RouterModel)
     router.lock, router.threads = threading.Lock(), concurrent.futures.ThreadPoolExecutor(4)
-    router.relays = {1: Relay(), 2: Relay()}
+    router.relays = {1: Relay(), 2: Relay(), 4: Relay(ended=True)}
     batch = [(1, RequestOutput("", "a")), (2, RequestOutput("", "x")), (1, RequestOutput("", "b")),
-             (3, RequestOutput("", "gone")), (2, RequestOutput("", "y")), (1, RequestOutput("", "c"))]
+             (3, RequestOutput("", "gone")), (4, RequestOutput("", "aborted")), (2, RequestOutput("", "y")),
+             (1, RequestOutput("", "c"))]
     router._from_channel(batch)
     assert router.relays[1].got == ["a", "b", "c"] and router.relays[2].got == ["x", "y"]
+    assert router.relays[4].got == []
     router.threads.shutdown()
 
 
@@ -179,13 +183,16 @@ def test_the_router_waits_for_decodes_last_frame_after_its_bls_end(monkeypatch, 
     the router waits for it (a short grace here), and fails the stream only if it never comes."""
     import threading
 
+    import concurrent.futures
+
     from backends.disagg import router as router_module
-    from backends.disagg.router import Relay, RouterModel
+    from backends.disagg.endpoints import Endpoint, Endpoints, RoutingConfig
+    from backends.disagg.router import Attempt, Relay, RouterModel
 
     monkeypatch.setattr(router_module, "CHANNEL_GRACE_S", 2.0)  # the frame comes at 0.1 s
 
     class Child:
-        model, cancelled = "child", []
+        model, cancelled, channel = "child", [], True
 
         def stream(self, inputs):
             yield None, RequestOutput("", "", [])  # the bare end a channel stream sends over BLS
@@ -195,13 +202,19 @@ def test_the_router_waits_for_decodes_last_frame_after_its_bls_end(monkeypatch, 
 
     sent = []
     router = RouterModel.__new__(RouterModel)
-    router.lock, router.listener, router.prefill, router.decode = threading.Lock(), object(), Child(), Child()
+    router.lock, router.listener = threading.Lock(), object()
+    router.threads = concurrent.futures.ThreadPoolExecutor(2)
+    prefill, decode = Endpoint("prefill", "local", Child()), Endpoint("decode", "local", Child())
+    router.endpoints = Endpoints([prefill], [decode], RoutingConfig(),
+                                 lambda ep: {"role": ep.kind, "agent": "a", "nixl_port": 1})
     relay = Relay(9, sent.append)
+    relay.attempt = Attempt(9, prefill, decode, 16, {})
     router.relays = {9: relay}
     if frame_comes:
         final = RequestOutput("", "end", [5], finished=True, finish_reason="stop", num_output_tokens=1)
         threading.Timer(0.1, relay.from_decode, args=(final,)).start()
-    router._run(relay, router.decode, {}, True)
+    router._run(relay, relay.attempt, True, {})
     assert [out.finish_reason for out in sent] == (["stop"] if frame_comes else ["error"])
     assert frame_comes or "without a finish reason" in sent[0].error
     assert router.relays == {}
+    router.threads.shutdown()

@@ -151,6 +151,8 @@ class LocalChild:
 class RemoteChild:
     """A model on another tritonserver (another host), over gRPC."""
 
+    channel = False   # a remote decode streams its tokens over gRPC
+
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
 
@@ -319,7 +321,7 @@ class RouterModel(StreamingModel):
         channel = get("token_channel")
         self.endpoints = Endpoints(self._endpoints(get, "prefill"), self._endpoints(get, "decode", channel),
                                    routing, lambda ep: ep.child.describe())
-        uses_channel = any(isinstance(ep.child, LocalChild) and ep.child.channel for ep in self.endpoints.decode)
+        uses_channel = any(ep.child.channel for ep in self.endpoints.decode)
         self.listener = Listener(process_identity(), self._from_channel) if uses_channel else None
         self.default_max_tokens = get("default_max_tokens")
         self.threads = concurrent.futures.ThreadPoolExecutor(get("max_threads"), thread_name_prefix="tandem-router")
@@ -358,6 +360,7 @@ class RouterModel(StreamingModel):
                 log.error("forwarding decode's tokens failed: %r", exc)
 
     def _start(self, request) -> None:
+        self.health.serving.set()
         sender = request.get_response_sender()
         # Copies: the numbers' arrays are views of the request's shared memory, which the
         # server frees once execute returns, before the worker threads read them.
@@ -429,7 +432,7 @@ class RouterModel(StreamingModel):
                 else:
                     relay.from_prefill(out)
             if is_decode and not attempt.ended:  # a no-op after decode's last output (the relay is done)
-                if self.listener is not None and isinstance(ep.child, LocalChild):
+                if ep.child.channel:
                     relay.ended.wait(CHANNEL_GRACE_S)
                 self._attempt_failed(relay, attempt, "decode ended its stream without a finish reason")
         except Exception as exc:
@@ -512,10 +515,14 @@ class RouterModel(StreamingModel):
 
 
 class HealthChecker:
-    """Checks every endpoint every health_interval_s, in a thread of its own."""
+    """Checks every endpoint every health_interval_s, in a thread of its own. Local endpoints
+    only once a client request has come: a BLS request to a model the server is still loading
+    crashed tritonserver 2.51 (a segfault in libtriton_python.so, the router's checks starting
+    while the other models loaded); until then they are checked when a request needs them."""
 
     def __init__(self, endpoints: Endpoints):
         self.endpoints = endpoints
+        self.serving = threading.Event()   # a client request has come: the server is up
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tandem-health", daemon=True)
         self.thread.start()
@@ -525,7 +532,8 @@ class HealthChecker:
             for ep in self.endpoints.all:
                 if self.stopped.is_set():
                     return
-                self.endpoints.check(ep)
+                if ep.address != "local" or self.serving.is_set():
+                    self.endpoints.check(ep)
             if self.stopped.wait(self.endpoints.cfg.health_interval_s):
                 return
 
