@@ -36,6 +36,15 @@ def checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def colocated(checkpoint):
+    """The colocated engine on the tiny llama: what the disaggregated paths must equal."""
+    from tests.engine_utils import small_engine
+    engine = small_engine(checkpoint("llama"))
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture(scope="session")
 def default_model() -> str:
     if not os.path.exists(os.path.join(DEFAULT_MODEL, "config.json")):

@@ -10,20 +10,13 @@ import pytest
 from backends.disagg import protocol
 from backends.disagg.local import Pair, drain
 from backends.request import SamplingParams
-from tests.engine_utils import collect, small_engine, token_ids
+from tests.engine_utils import collect, token_ids
 from tests.test_disagg import wait_for, writes_in_flight
 from tests.test_model_parity import prompts
 
 PARAMS = SamplingParams(max_tokens=20, min_tokens=20)
 PAGE = 4                                     # Pair's page size
 META_BYTES = protocol.META_WIDTH * 8         # the metadata row that follows every request's KV
-
-
-@pytest.fixture(scope="module")
-def colocated(checkpoint):
-    engine = small_engine(checkpoint("llama"))
-    yield engine
-    engine.stop()
 
 
 def page_bytes(pair: Pair) -> int:

@@ -15,7 +15,7 @@ from backends.disagg.pipeline import layer_group_size, layer_groups
 from backends.engine import Engine
 from backends.request import SamplingParams
 from backends.disagg.local import Pair, drain
-from tests.engine_utils import collect, idle_pages, small_engine, token_ids
+from tests.engine_utils import collect, idle_pages, token_ids
 from tests.server import free_port
 from tests.test_model_parity import prompts
 
@@ -174,13 +174,6 @@ def pair(checkpoint, request):
              engine_overrides={"overlap": request.param})
     yield p
     p.close()
-
-
-@pytest.fixture(scope="module")
-def colocated(checkpoint):
-    engine = small_engine(checkpoint("llama"))
-    yield engine
-    engine.stop()
 
 
 def test_disaggregated_equals_colocated(pair, colocated):

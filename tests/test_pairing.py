@@ -15,7 +15,7 @@ from backends.disagg.local import drain
 from backends.disagg.prefill import PrefillRole, prefill_agent_name
 from backends.engine import Engine
 from backends.request import SamplingParams
-from tests.engine_utils import collect, small_engine, token_ids
+from tests.engine_utils import collect, token_ids
 from tests.server import free_port
 from tests.test_disagg import wait_for
 from tests.test_model_parity import prompts
@@ -75,13 +75,6 @@ def trio(checkpoint):
     t = Trio(checkpoint("llama"))
     yield t
     t.close()
-
-
-@pytest.fixture(scope="module")
-def colocated(checkpoint):
-    engine = small_engine(checkpoint("llama"))
-    yield engine
-    engine.stop()
 
 
 def test_requests_paired_with_either_prefill_engine_equal_colocated(trio, colocated):
