@@ -22,7 +22,7 @@ import sys
 import time
 
 from client.bench import DEFAULT_TOKENIZER, Progress, Target, Workload, run_level
-from tests.server import TritonServer, free_port, set_parameters
+from tests.server import TritonServer, free_port, metric_value, set_parameters
 
 ENGINE = {"max_context": "2048", "num_pages": "512"}
 POLICIES = {"cache_aware": "router", "round_robin": "router_rr"}
@@ -54,8 +54,7 @@ def router_server(root: str, prefills: list[TritonServer]) -> TritonServer:
 
 
 def counter(metrics: dict, name: str, **labels) -> float:
-    return sum(v for k, v in metrics.items()
-               if k.startswith(name + "{") and all(f'{key}="{value}"' in k for key, value in labels.items()))
+    return metric_value(metrics, name, **labels) or 0.0
 
 
 def wait_healthy(a: TritonServer, prefills: list[TritonServer], timeout_s: float = 60) -> None:

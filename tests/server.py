@@ -31,6 +31,14 @@ def set_parameters(config: str, values: dict[str, str]) -> str:
     return config
 
 
+def metric_value(metrics: dict[str, float], name: str, **labels) -> float | None:
+    """The sum of the series of `name` that carry these labels (in any order), from
+    TritonServer.metrics(); None when no series does."""
+    values = [value for key, value in metrics.items() if key.startswith(name + "{")
+              and all(f'{label}="{text}"' in key for label, text in labels.items())]
+    return sum(values) if values else None
+
+
 class TritonServer:
     def __init__(self, repo_dir: str, models: list[str], parameters: dict[str, dict[str, str]] | None = None,
                  env: dict[str, str] | None = None, ready_timeout_s: float = 480):
@@ -124,6 +132,10 @@ class TritonServer:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
+
+    def metric(self, name: str, **labels) -> float | None:
+        """One of Tandem's metrics now (see metric_value)."""
+        return metric_value(self.metrics(), name, **labels)
 
     def kv_pages(self, model: str) -> tuple[float, float]:
         """(pages no request holds: free or cached, pages in the pool)."""

@@ -12,7 +12,7 @@ import pytest
 
 from client.stream import stream_generate
 from tests.server import TritonServer, free_port, set_parameters
-from tests.test_router import ENGINE, PROMPTS, endpoint_metric, wait_endpoint_health
+from tests.test_router import ENGINE, PROMPTS, wait_endpoint_health
 
 pytestmark = pytest.mark.server
 KNOBS = {"pipeline_min_tokens": "128", "transfer_timeout_s": "10", "handshake_timeout_s": "5"}
@@ -31,10 +31,7 @@ def add_copy(server: TritonServer, model: str, name: str, parameters: dict[str, 
 
 
 def requests_to(server: TritonServer, endpoint: str, model: str = "router") -> float:
-    for key, value in server.metrics().items():
-        if key.startswith("tandem_router_requests{") and f'endpoint="{endpoint}"' in key and f'model="{model}"' in key:
-            return value
-    return 0.0
+    return server.metric("tandem_router_requests", endpoint=endpoint, model=model) or 0.0
 
 
 def run_all(url: str, model: str, prompts: list[str], max_tokens: int = 24):
@@ -55,6 +52,19 @@ def wait_for(condition, timeout_s: float = 15) -> bool:
 def ended(result) -> bool:
     """Finished with its tokens, or ended with an error (never cut short in silence)."""
     return bool(result.error) or (result.finish_reason in ("length", "stop") and result.token_ids)
+
+
+def kill_while_streaming(a: TritonServer, model: str, prompts: list[str], max_tokens: int,
+                         victim: TritonServer, holder: TritonServer) -> None:
+    """Streams the prompts through `model` on A and SIGKILLs `victim` once `holder`'s decode
+    holds their KV: every stream ends (tokens or an error) within a minute, none hangs."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        pending = [pool.submit(stream_generate, a.grpc_url, model, p, max_tokens=max_tokens, chat=True)
+                   for p in prompts]
+        assert holder.wait_kv_used("decode", timeout_s=30)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        results = [f.result(timeout=60) for f in pending]
+    assert all(ended(r) for r in results), [(r.finish_reason, r.error) for r in results]
 
 
 @pytest.fixture(scope="module")
@@ -126,13 +136,7 @@ def test_prefill_server_killed_idle_and_under_load(two_prefill):
     assert wait_for(lambda: requests_to(a, p2.grpc_url, "router_rr") - to_p2 == len(prompts))
     p1.start()   # same ports
     assert wait_endpoint_health(a, p1.grpc_url, 1.0), "the restarted prefill server must rejoin"
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        pending = [pool.submit(stream_generate, a.grpc_url, "router_rr", p, max_tokens=48, chat=True)
-                   for p in prompts]
-        assert a.wait_kv_used("decode", timeout_s=30)
-        os.killpg(p1.proc.pid, signal.SIGKILL)
-        results = [f.result(timeout=60) for f in pending]
-    assert all(ended(r) for r in results), [(r.finish_reason, r.error) for r in results]
+    kill_while_streaming(a, "router_rr", prompts, 48, victim=p1, holder=a)
     assert wait_endpoint_health(a, p1.grpc_url, 0.0)
     assert a.wait_kv_full("decode", timeout_s=15) and p2.wait_kv_full("prefill")
     assert [r.error for r in run_all(a.grpc_url, "router", prompts[:2], max_tokens=8)] == [None] * 2
@@ -159,13 +163,7 @@ def test_two_decode_servers_one_killed_then_back(default_model, tmp_path_factory
                 assert result.error is None and result.token_ids == greedy_ids(prompt, 24), prompt[:40]
             assert wait_for(lambda: min(requests_to(a, d.grpc_url) for d in decodes) >= 1)
             prompts = [f"Write a long poem about the sea, verse {i}." for i in range(6)]
-            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-                pending = [pool.submit(stream_generate, a.grpc_url, "router", p, max_tokens=64, chat=True)
-                           for p in prompts]
-                assert d1.wait_kv_used("decode", timeout_s=30)
-                os.killpg(d1.proc.pid, signal.SIGKILL)
-                results = [f.result(timeout=60) for f in pending]
-            assert all(ended(r) for r in results), [(r.finish_reason, r.error) for r in results]
+            kill_while_streaming(a, "router", prompts, 64, victim=d1, holder=d1)
             assert wait_endpoint_health(a, d1.grpc_url, 0.0), "the killed decode server must leave the rotation"
             to_d2 = requests_to(a, d2.grpc_url)
             after = run_all(a.grpc_url, "router", prompts, max_tokens=8)

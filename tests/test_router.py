@@ -132,18 +132,11 @@ def test_two_servers_and_a_prefill_killed_mid_transfer(default_model, tmp_path_f
             assert a.wait_kv_full("decode") and b.wait_kv_full("prefill")
 
 
-def endpoint_metric(server: TritonServer, name: str, endpoint: str) -> float | None:
-    """The router's per-endpoint metric `name` for `endpoint` (labels in any order)."""
-    for key, value in server.metrics().items():
-        if key.startswith(name + "{") and f'endpoint="{endpoint}"' in key:
-            return value
-    return None
-
-
-def wait_endpoint_health(server: TritonServer, endpoint: str, healthy: float, timeout_s: float = 30) -> bool:
+def wait_endpoint_health(server: TritonServer, endpoint: str, healthy: float, timeout_s: float = 30,
+                         model: str = "router") -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if endpoint_metric(server, "tandem_router_endpoint_healthy", endpoint) == healthy:
+        if server.metric("tandem_router_endpoint_healthy", endpoint=endpoint, model=model) == healthy:
             return True
         time.sleep(0.1)
     return False
