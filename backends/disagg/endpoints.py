@@ -187,9 +187,6 @@ class Endpoints:
                     log.warning("router: %s left the rotation (%d failed checks in a row, last: %s)",
                                 ep.label, ep.failures, detail)
 
-    def healthy(self, kind: str) -> list[Endpoint]:
-        return [ep for ep in getattr(self, kind) if ep.healthy]
-
     # ---- choice --------------------------------------------------------------------
     def choose(self, kind: str, chain: list[bytes], avoid: tuple[Endpoint, ...] = ()) -> Endpoint | None:
         """The endpoint of this kind for a request (None: none in the rotation)."""
