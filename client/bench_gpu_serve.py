@@ -38,6 +38,9 @@ def write_repository(path: str, settings: dict[str, str]) -> str:
         text, n = re.subn(rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
         if n != 1:
             raise ValueError(f"llm's config.pbtxt has no parameter {key!r}")
+    # Inputs copied without the pinned staging path: on the GPU box the stub read a BYTES input
+    # without its length prefix (docs/gpu.md); that path is the one a CPU box never takes.
+    text += "optimization { input_pinned_memory { enable: false } output_pinned_memory { enable: false } }\n"
     with open(config, "w") as f:
         f.write(text)
     return repo
