@@ -52,29 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-STUB_CUDA = """import os
-visible = os.environ.pop("TANDEM_STUB_CUDA_VISIBLE_DEVICES", None)
-if visible is not None:
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    if visible:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
-"""
-
-
-def hide_gpu_from_server(env: dict, scratch: str) -> dict:
-    """The server started with no GPU visible and the stub given it back: a sitecustomize first
-    on the stub's path restores CUDA_VISIBLE_DEVICES before the model touches CUDA. Inputs then
-    take the host-only path that a CPU box runs (the GPU box's path corrupted BYTES inputs)."""
-    site = os.path.join(scratch, "stub-cuda")
-    os.makedirs(site, exist_ok=True)
-    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-        f.write(STUB_CUDA)
-    return dict(env, CUDA_VISIBLE_DEVICES="", TANDEM_STUB_CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", ""),
-                PYTHONPATH=f"{site}:{env['PYTHONPATH']}")
-
-
-def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port: int,
-                 hide_gpu: bool = False) -> subprocess.Popen:
+def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port: int) -> subprocess.Popen:
     """tritonserver from the trimmed wheel tree, with the environment its Python stub needs
     (stub_path first on the stub's path: a numpy < 2, which the 2.51 stub reads BYTES with)."""
     stub_dir = os.path.join(server_dir, "backends", "python")
@@ -87,8 +65,6 @@ def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port
     env = dict(os.environ, PYTHONPATH=":".join(p for p in (stub_path, ROOT) if p), PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
                LD_LIBRARY_PATH=":".join([sysconfig.get_config_var("LIBDIR"), libs, stub_dir,
                                          os.environ.get("LD_LIBRARY_PATH", "")]))
-    if hide_gpu:
-        env = hide_gpu_from_server(env, os.path.dirname(repo))
     cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
            "--model-repository", repo, "--http-port", str(port), "--grpc-port", str(free_port()),
            "--metrics-port", str(free_port()),
@@ -164,23 +140,12 @@ def run_level(port: int, prompts: list[list[int]], output_tokens: int) -> dict:
 def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], levels: dict, output_tokens: int,
                  out: str, stub_path: str = "") -> dict:
     """{"STREAMSxPROMPT": figures} through tritonserver (levels: {(streams, prompt): prompts}),
-    or {"error": ...} with the server log's tail. A server that fails is tried once more with
-    the GPU hidden from it (the model in its stub still runs on the GPU); both are reported."""
+    or {"error": ...} with the server log's tail."""
+    log_path = os.path.join(out, "tritonserver.log")
     repo = write_repository(os.path.dirname(checkpoint), {"model_path": checkpoint, **settings})
-    rows = serve_once(server_dir, repo, levels, output_tokens, os.path.join(out, "tritonserver.log"), stub_path)
-    if "error" not in rows or not os.environ.get("CUDA_VISIBLE_DEVICES", "0"):
-        return rows
-    print(f"  tritonserver failed ({rows['error']}); again with the GPU hidden from the server", flush=True)
-    hidden = serve_once(server_dir, repo, levels, output_tokens, os.path.join(out, "tritonserver-hidden-gpu.log"),
-                        stub_path, hide_gpu=True)
-    return {**hidden, "gpu_hidden_from_server": True, "first_try": rows}
-
-
-def serve_once(server_dir: str, repo: str, levels: dict, output_tokens: int, log_path: str, stub_path: str,
-               hide_gpu: bool = False) -> dict:
     server, port = None, free_port()
     try:
-        server = start_server(server_dir, repo, log_path, stub_path, port, hide_gpu)
+        server = start_server(server_dir, repo, log_path, stub_path, port)
         t0 = time.perf_counter()
         wait_ready(server, port, 180)
         rows = {"load_s": time.perf_counter() - t0}
@@ -197,6 +162,6 @@ def serve_once(server_dir: str, repo: str, levels: dict, output_tokens: int, log
         if server is not None:
             server.terminate()
             try:
-                server.wait(10)  # a server whose stub died waits out its 30 s exit timeout
+                server.wait(30)
             except subprocess.TimeoutExpired:
                 server.kill()
