@@ -321,7 +321,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap, torch-ops")
     p.add_argument("--serve", default=None, metavar="TRITONSERVER_DIR",
                    help="also serve the model with this tritonserver tree (scripts/gpu_serve_prepare.sh)")
-    p.add_argument("--stub-path", default="", help="put first on the path of the server's Python stub (its numpy)")
+    p.add_argument("--stub-path", default="", help="packages the server's Python stub takes first (its numpy < 2), through a virtual environment")
     p.add_argument("--scratch", default=None, help="where the checkpoint is written (default: the temp dir)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--out", default="artifacts/gpu-bench")

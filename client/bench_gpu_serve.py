@@ -52,9 +52,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stub_venv(stub_path: str, scratch: str) -> str:
+    """The bin/ of a virtual environment for the server's Python stub: stub_path's packages (a
+    numpy < 2: the 2.51 stub reads BYTES inputs wrongly under numpy 2) in its site-packages, the
+    packages of this Python after them (a .pth). The stub ignores PYTHONPATH; it takes its
+    site-packages from the first python on PATH (../shared/PLATFORM.md)."""
+    venv = os.path.join(scratch, "stub-venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    site = subprocess.run([os.path.join(venv, "bin", "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    shutil.copytree(stub_path, site, dirs_exist_ok=True)
+    with open(os.path.join(site, "outer.pth"), "w") as f:
+        f.write("\n".join([*outer_site_packages(), ROOT]) + "\n")
+    return os.path.join(venv, "bin")
+
+
+def outer_site_packages() -> list[str]:
+    import site
+    return [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
+
+
 def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port: int) -> subprocess.Popen:
-    """tritonserver from the trimmed wheel tree, with the environment its Python stub needs
-    (stub_path first on the stub's path: a numpy < 2, which the 2.51 stub reads BYTES with)."""
+    """tritonserver from the trimmed wheel tree, with the environment its Python stub needs."""
     stub_dir = os.path.join(server_dir, "backends", "python")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = os.path.join(server_dir, "python_backend_stubs", version, "triton_python_backend_stub")
@@ -62,7 +81,8 @@ def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port
     if not os.path.exists(here) or not filecmp.cmp(stub, here, shallow=False):
         shutil.copy(stub, stub_dir)  # the stub of this Python
     libs = os.path.join(os.path.dirname(os.path.dirname(server_dir)), "nvidia_pytriton.libs")
-    env = dict(os.environ, PYTHONPATH=":".join(p for p in (stub_path, ROOT) if p), PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    python_bin = stub_venv(stub_path, os.path.dirname(repo)) if stub_path else os.path.dirname(sys.executable)
+    env = dict(os.environ, PYTHONPATH=ROOT, PATH=f"{python_bin}:{os.environ['PATH']}",
                LD_LIBRARY_PATH=":".join([sysconfig.get_config_var("LIBDIR"), libs, stub_dir,
                                          os.environ.get("LD_LIBRARY_PATH", "")]))
     cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
@@ -162,6 +182,6 @@ def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], lev
         if server is not None:
             server.terminate()
             try:
-                server.wait(30)
+                server.wait(10)  # a server whose stub died waits out its 30 s exit timeout
             except subprocess.TimeoutExpired:
                 server.kill()
