@@ -298,15 +298,21 @@ class Scheduler:
             if n > 0 and self._grow(req, n, preempt=True):
                 items.append((req, n))
                 budget -= n
+        later = []   # waiting for pages a running request is computing
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             self._match(req, len(req.prompt_ids) + len(req.output_ids) - 1)
+            if self._computing_its_prefix(req):
+                self._unmatch(req)
+                later.append(self.waiting.popleft())
+                continue
             n = min(req.num_pending, budget, self.cfg.chunk_size)
             if not self._grow(req, n, preempt=False):
                 self._unmatch(req)
                 break
             items.append((self._admit(), n))
             budget -= n
+        self.waiting.extendleft(reversed(later))
         return Batch(items) if items else None
 
     def _admit(self) -> Request:
@@ -333,6 +339,30 @@ class Scheduler:
         found = self.pool.match(req.token_slice(0, pages * self.pool.page_size), req.cache_salt, pages, multiple)
         req.pages, req.num_computed = found.pages, found.num_tokens
         req.cached_pages, req.cache_parent = len(found.pages), found.parent
+
+    def _computing_its_prefix(self, req: Request) -> bool:
+        """True while a running request computes full pages of this request's prompt that the
+        cache does not hold yet. It waits for them (a step or a few) rather than computing
+        them again: requests that arrive together with one system prompt compute it once."""
+        if not self.caching:
+            return False
+        size, matched = self.pool.page_size, req.cached_pages
+        limit = (len(req.prompt_ids) + len(req.output_ids) - 1) // size
+        for other in self.running:
+            if other.cache_salt != req.cache_salt or other.cached_pages >= limit or other.block is not None:
+                continue
+            have = max(matched, other.cached_pages)   # pages the cache holds (or will not)
+            end = min(limit, other.num_tokens // size)
+            if end > have and self._shared_pages(req, other, end) > have:
+                return True
+        return False
+
+    def _shared_pages(self, req: Request, other: Request, end: int) -> int:
+        """How many of the first `end` pages the two requests' tokens have in common."""
+        size, n = self.pool.page_size, 0
+        while n < end and req.token_slice(n * size, (n + 1) * size) == other.token_slice(n * size, (n + 1) * size):
+            n += 1
+        return n
 
     def _unmatch(self, req: Request) -> None:
         """Not admitted after all: it holds nothing while it waits."""

@@ -107,8 +107,8 @@ def test_concurrent_requests_with_one_prefix_equal_the_cache_off(checkpoint, ref
 
 def test_a_page_enters_the_cache_only_once_its_forward_is_done(checkpoint, monkeypatch):
     """Overlap on, a 40-token prompt in chunks of 16: while a chunk's forward is held, none
-    of its pages is indexed, and a request admitted then with the same prompt matches only
-    what earlier forwards completed."""
+    of its pages is indexed, and a request sent then with the same prompt waits while the
+    pages it shares are computed, then matches every one of them."""
     eng = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=PAGE, num_pages=64, chunk_size=16,
                               max_batch_tokens=16, threads=1, overlap="on"))
     forward, gate = eng.runner.forward, threading.Event()
@@ -125,18 +125,40 @@ def test_a_page_enters_the_cache_only_once_its_forward_is_done(checkpoint, monke
         assert eng.runner.pool.num_indexed == 4
         eng.scheduler.in_flight.result.result(timeout=30)   # chunk 1's forward is done, not completed
         b = eng.generate(prompt, GREEDY, outs_b.append)
-        assert eng.scheduler.step()   # b admitted beside chunk 2, then chunk 1 completed
-        assert eng.scheduler.requests[b].num_cached_tokens == 16   # chunk 0 only
-        assert eng.runner.pool.num_indexed == 8
+        assert eng.scheduler.step()   # chunk 2 launched, chunk 1 completed; b waits for a's pages
+        assert eng.scheduler.requests[b].num_cached_tokens is None and eng.runner.pool.num_indexed == 8
         eng.scheduler.check_kv()
         while not (outs_a and outs_a[-1].finished and outs_b and outs_b[-1].finished):
             eng.scheduler.step(wait_s=0)
             eng.scheduler.check_kv()
+        assert eng.scheduler.stats()["prefix_cache_hits"] == 36   # b: every full page but its last token's
         assert token_ids(outs_a) == token_ids(outs_b)
     finally:
         gate.set()
         eng.stop()
     assert_pool_whole(eng)
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_requests_sent_together_compute_their_shared_prefix_once(checkpoint, overlap):
+    """Four prompts with one 32-token prefix at once, with room to admit them all in one step:
+    one computes the prefix, the others wait for its pages and match them (8 pages each)."""
+    prompts = family(32, [4, 5, 6, 7], 4)
+    settings = dict(chunk_size=64, max_batch_tokens=256)
+    off = small_engine(checkpoint("llama"), prefix_caching="off", **settings)
+    try:
+        expected = [t for t, _ in run(off, prompts)]
+    finally:
+        off.stop()
+    eng = small_engine(checkpoint("llama"), overlap=overlap, **settings)
+    try:
+        got = run(eng, prompts)
+        assert_pool_whole(eng)
+        hits = eng.stats()["prefix_cache_hits"]
+    finally:
+        eng.stop()
+    assert [t for t, _ in got] == expected
+    assert sorted(c for _, c in got) == [0, 32, 32, 32] and hits == 96
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
