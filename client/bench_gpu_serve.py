@@ -64,7 +64,17 @@ def stub_venv(stub_path: str, scratch: str) -> str:
     shutil.copytree(stub_path, site, dirs_exist_ok=True)
     with open(os.path.join(site, "outer.pth"), "w") as f:
         f.write("\n".join([*outer_site_packages(), ROOT]) + "\n")
+    check_stub_imports(os.path.join(venv, "bin", "python"))
     return os.path.join(venv, "bin")
+
+
+def check_stub_imports(python: str) -> None:
+    """What the model imports, imported by the stub's packages beforehand: transformers hides
+    the cause of a failed lazy import ("Could not import module 'AutoTokenizer'"), this shows it."""
+    probe = "import numpy, torch, transformers.models.auto.tokenization_auto, backends.engine"
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the stub's packages cannot import the model: {done.stderr[-2500:]}")
 
 
 def outer_site_packages() -> list[str]:
