@@ -103,7 +103,7 @@ def choose_rank(ranks: list["RankProcess"], chain: list[int], page_size: int) ->
 class RankProcess:
     """One rank's process, its two pipes and the stub's view of its load."""
 
-    def __init__(self, rank: int, size: int, port: int, cfg: EngineConfig, role: str, disagg, group_cores: list[int]):
+    def __init__(self, rank: int, size: int, port: int, cfg: EngineConfig, disagg, group_cores: list[int]):
         self.rank = rank
         to_rank_r, to_rank_w = os.pipe()
         from_rank_r, from_rank_w = os.pipe()
@@ -116,7 +116,7 @@ class RankProcess:
         self.send_conn = Connection(to_rank_w, readable=False)
         self.recv_conn = Connection(from_rank_r, writable=False)
         self.send_lock = threading.Lock()
-        self.send((cfg, role, disagg, group_cores))
+        self.send((cfg, disagg, group_cores))
         self.stats: dict = {}
         self.load = 0                # tokens still to compute of the requests it holds
         self.prefixes = RankPrefixes()
@@ -156,7 +156,7 @@ class RankProcess:
 class DpGroup:
     """The engine side of a DP model instance: what `EngineModel` calls on an `Engine`."""
 
-    def __init__(self, cfg: EngineConfig, role: str = "colocated", disagg=None,
+    def __init__(self, cfg: EngineConfig, disagg=None,
                  before_relay: Callable[[], None] | None = None):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model_path)
@@ -164,7 +164,7 @@ class DpGroup:
         self.max_context = cfg.context_limit(self.model_cfg.max_position)
         self.before_relay = before_relay   # the adapter's send drain (see SendPool)
         port = free_port()
-        self.ranks = [RankProcess(r, cfg.dp_size, port, cfg.for_rank(r), role, disagg, cfg.cores)
+        self.ranks = [RankProcess(r, cfg.dp_size, port, cfg.for_rank(r), disagg, cfg.cores)
                       for r in range(cfg.dp_size)]
         self.requests: dict[str, tuple[Request, RankProcess, int]] = {}   # id -> (request, rank, its load)
         self.lock = threading.Lock()
@@ -307,7 +307,7 @@ class DpGroup:
 # ---- the rank process ----------------------------------------------------------------
 def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> None:
     from backends.dp import join_group, make_rank
-    from backends.engine import Engine, make_role
+    from backends.engine import Engine
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s dp{rank} %(name)s %(levelname)s %(message)s")
     # A rank lives as long as its stub (it exits when the stub says stop or its pipe closes),
     # and like the stub it ignores the signals a terminal or a script sends the server's
@@ -316,9 +316,9 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
-    cfg, role, disagg, group_cores = inbox.recv()
+    cfg, disagg, group_cores = inbox.recv()
     loop_group = join_group(rank, size, port, cfg.torch_device.type)
-    engine = Engine(cfg, role=make_role(role, disagg))
+    engine = Engine(cfg, disagg=disagg)
     make_rank(engine, rank, size, loop_group, group_cores, on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
     lock = threading.Lock()
 

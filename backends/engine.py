@@ -18,7 +18,7 @@ from backends.detokenizer import IncrementalDetokenizer
 from backends.model_config import ModelConfig
 from backends.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from backends.runner import ModelRunner
-from backends.role import Role
+from backends.role import ColocatedRole, EngineFacts, EngineOps, Role
 from backends.scheduler import Scheduler
 
 log = logging.getLogger("tandem.engine")
@@ -44,23 +44,32 @@ def disagg_config(role: str, params: dict[str, str]):
     return DisaggConfig.from_params(params)
 
 
-def make_role(role: str, disagg) -> Role | None:
-    """The scheduler role of an engine model: None (colocated), prefill or decode. Here, where
-    the engine is assembled: the role interface (backends.role) knows no role but its own."""
+def make_role(role: str, disagg, facts: EngineFacts, engine: EngineOps) -> Role:
+    """The scheduler role of an engine model (colocated, prefill or decode), built once the
+    engine it serves exists. Here, where the engine is assembled: the role interface
+    (backends.role) knows no role but its own."""
     if role == "colocated":
-        return None
+        return ColocatedRole()
+    if disagg is None:
+        raise ValueError(f"the {role} role needs the hand-off's settings (a DisaggConfig)")
     if role == "prefill":
         from backends.disagg.prefill import PrefillRole
-        return PrefillRole(disagg)
+        return PrefillRole(disagg, facts, engine)
     from backends.disagg.decode import DecodeRole
-    return DecodeRole(disagg)
+    return DecodeRole(disagg, facts, engine)
 
 
-def refuse_dllm_settings(cfg: EngineConfig, role: Role | None) -> None:
+def engine_facts(runner: ModelRunner, scheduler: Scheduler) -> EngineFacts:
+    """What a role may know of the engine."""
+    return EngineFacts(kv=runner.kv, num_layers=runner.model.cfg.num_layers, device_type=runner.device.type,
+                       kv_manager=scheduler.pool, prefix_caching=scheduler.caching, wake=scheduler.wake)
+
+
+def refuse_dllm_settings(cfg: EngineConfig) -> None:
     """What a block-diffusion checkpoint cannot be served with, refused before it loads."""
     if not ModelConfig.load(cfg.model_path).is_dllm:
         return
-    if role is not None or cfg.role != "colocated":
+    if cfg.role != "colocated":
         raise ValueError(f"{cfg.model_path} is a block-diffusion model: disaggregated prefill/decode is not "
                          "supported for it; serve it with `llm`")
     if cfg.overlap == "on":
@@ -92,13 +101,16 @@ def check_request(mc: ModelConfig, max_context: int, prompt_ids: list[int], para
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, role: Role | None = None, tokenizer=None, model=None):
+    def __init__(self, cfg: EngineConfig, disagg=None, tokenizer=None, model=None):
+        """disagg: the hand-off's settings (backends.disagg.config.DisaggConfig) of a prefill or
+        decode engine (cfg.role); the role is built from them once runner and scheduler exist."""
         self.cfg = cfg
-        refuse_dllm_settings(cfg, role)
+        refuse_dllm_settings(cfg)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model_path)
         self.runner = ModelRunner(cfg, model)
         eos = self.runner.model.cfg.eos_token_ids or (self.tokenizer.eos_token_id,)
-        self.scheduler = Scheduler(cfg, self.runner, tuple(e for e in eos if e is not None), role)
+        self.scheduler = Scheduler(cfg, self.runner, tuple(e for e in eos if e is not None))
+        self.scheduler.role = make_role(cfg.role, disagg, engine_facts(self.runner, self.scheduler), self.scheduler)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 

@@ -15,7 +15,9 @@ when N+1 starts, so no token waits on the loop. A request that finishes at step 
 drops what N+1 computed for it, and its pages go back only after N+1's forward.
 
 Roles (colocated, prefill, decode) differ only in where requests come from and
-where finished prefills go (`backends.role`); they plug into this loop.
+where finished prefills go (`backends.role`); they plug into this loop. A role asks
+the scheduler for what it may (`EngineOps`: the methods under "what roles call"), and
+its hooks return decisions the scheduler carries out (which pages to keep, and until when).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from backends import dllm
 from backends.config import EngineConfig
 from backends.kv_cache import Fence
 from backends.request import Request, RequestOutput, Status, TokenLogprob
-from backends.role import ColocatedRole, Role
+from backends.role import ColocatedRole, KeepPages, Role
 from backends.runner import Batch, ModelRunner, StepInputs
 from backends.sampler import RowsFailed, sample
 
@@ -61,11 +63,12 @@ DP_IDLE_TURN_S = 0.005
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, eos_ids: tuple[int, ...],
-                 role: Role | None = None):
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, eos_ids: tuple[int, ...]):
         self.cfg, self.runner, self.pool = cfg, runner, runner.pool
         self.eos_ids = list(eos_ids)
-        self.role: Role = role or ColocatedRole()
+        # The engine puts its role here once the scheduler exists: a role is built from the
+        # scheduler's operations (backends.engine.make_role)
+        self.role: Role = ColocatedRole()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -92,7 +95,6 @@ class Scheduler:
         self.steps_launched = 0
         self.forward_done = -1     # the last step whose forward has finished (forward thread)
         self.sampled: dict[int, list[int]] = {}   # step -> its tokens (forward thread only)
-        self.role.attach(self)
 
     # ---- called from other threads -------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -110,26 +112,28 @@ class Scheduler:
         if self._forward_thread is not None:
             self._forward_thread.shutdown(wait=True)
 
-    # ---- what roles call to move requests (on the loop's thread) ---------------------
+    # ---- what roles call (backends.role.EngineOps, on the loop's thread) ----------------
     def enqueue(self, req: Request) -> None:
         """A request the role held is ready for its prefill."""
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def join_running(self, req: Request) -> None:
-        """A request whose KV is already here (prebuilt) joins the decode batch."""
-        req.status = Status.RUNNING
+    def join_running(self, req: Request, num_computed: int) -> None:
+        """A request whose KV for num_computed tokens is already here (prebuilt) joins the decode batch."""
+        req.status, req.num_computed = Status.RUNNING, num_computed
         self.running.append(req)
 
     def has_room(self) -> bool:
         return len(self.running) < self.cfg.max_running_requests
 
-    def leave(self, req: Request) -> None:
-        """The role takes a request over: it is no longer scheduled here (pages stay with it)."""
+    def hold(self, req: Request, status: Status) -> None:
+        """The role holds a request in its own queue (status says which): it is not scheduled
+        here, or no longer (pages stay with it)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        req.status = status
 
     def after_step(self, step: int) -> Fence | None:
         """The fence "step's forward is done" (None: it is)."""
@@ -461,8 +465,7 @@ class Scheduler:
         self.running.remove(req)
         if self.in_flight is not None and req.last_step > self.forward_done:
             self.in_flight.result.exception()  # its pages are still read: let that forward end
-        self.role.on_preempt(req)
-        self.pool.release(req.pages)
+        self.pool.release(req.pages, self.role.on_preempt(req))  # a role's transfer may still read them
         req.pages, req.num_computed, req.status = [], 0, Status.WAITING
         req.cached_pages, req.kv_epoch = 0, req.kv_epoch + 1
         self.waiting.appendleft(req)
@@ -568,8 +571,10 @@ class Scheduler:
             error=error, num_prompt_tokens=len(req.prompt_ids), num_output_tokens=len(req.output_ids),
             num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs))
 
-    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """End a request for any reason: free everything it holds, send its last output."""
+    def finish(self, req: Request, reason: str, error: str | None = None, keep: KeepPages | None = None) -> None:
+        """End a request for any reason: free everything it holds, send its last output.
+        keep: the pages the role's transfers still touch (a role that ends a request itself
+        says so here; for aborts and errors the role's on_abort says it too)."""
         if req.status is Status.FINISHED:
             return
         if req.status is Status.RUNNING:
@@ -577,16 +582,26 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if reason in ("abort", "error"):
-            self.role.on_abort(req)
-        if req.pages:
-            self.pool.release(req.pages, self.after_step(req.last_step))
-            req.pages = []
+            keep = self.role.on_abort(req) or keep
+        self._release(req, keep)
         req.status = Status.FINISHED
         self.requests.pop(req.id, None)
         try:
             self.emit(req, final=True, reason=reason, error=error)
         except Exception:  # a sink that fails (client gone) must not stop the loop
             log.warning("could not deliver the end of %s: %s", req.id, traceback.format_exc())
+
+    def _release(self, req: Request, keep: KeepPages | None) -> None:
+        """Its pages go back once the last forward that reads them is done, and those the role
+        keeps once its transfers are done with them too."""
+        forward = self.after_step(req.last_step)
+        first = len(req.pages) if keep is None else keep.first
+        if req.pages[:first]:
+            self.pool.release(req.pages[:first], forward)
+        if req.pages[first:]:
+            until = keep.until
+            self.pool.release(req.pages[first:], until if forward is None else lambda: until() and forward())
+        req.pages = []
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),

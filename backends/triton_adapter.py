@@ -24,7 +24,7 @@ import numpy as np
 
 from backends.config import EngineConfig
 from backends.parameters import refuse_unknown
-from backends.engine import Engine, InvalidRequest, disagg_config, make_role
+from backends.engine import Engine, InvalidRequest, disagg_config
 from backends.request import RequestOutput
 from backends.triton_io import control_room, is_describe, parse_request
 from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
@@ -84,8 +84,8 @@ class EngineModel(StreamingModel):
     def create_engine(self) -> Engine:
         if self.cfg.dp_size > 1:  # ranks in processes of their own (DP attention)
             from backends.dp_group import DpGroup
-            return DpGroup(self.cfg, self.role, self.disagg, before_relay=self.sends.drain)
-        engine = Engine(self.cfg, role=make_role(self.role, self.disagg))
+            return DpGroup(self.cfg, self.disagg, before_relay=self.sends.drain)
+        engine = Engine(self.cfg, disagg=self.disagg)
         engine.scheduler.before_process = self.sends.drain
         return engine
 

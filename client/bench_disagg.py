@@ -286,11 +286,10 @@ class PrefillHost:
     def __init__(self, conf: dict):
         from backends.config import EngineConfig
         from backends.disagg.config import DisaggConfig
-        from backends.disagg.prefill import PrefillRole
         from backends.engine import Engine
 
         self.cfg = DisaggConfig(**conf["disagg"])
-        self.engine = Engine(EngineConfig(**conf["engine"], role="prefill"), role=PrefillRole(self.cfg)).start()
+        self.engine = Engine(EngineConfig(**conf["engine"], role="prefill"), disagg=self.cfg).start()
         self.role = self.engine.scheduler.role
         self.handles: list = []
         self.done: dict[int, float] = {}
@@ -356,11 +355,10 @@ class DecodeHost:
     def __init__(self, conf: dict):
         from backends.config import EngineConfig
         from backends.disagg.config import DisaggConfig
-        from backends.disagg.decode import DecodeRole
         from backends.engine import Engine
 
         self.engine = Engine(EngineConfig(**conf["engine"], role="decode"),
-                             role=DecodeRole(DisaggConfig(**conf["disagg"]))).start()
+                             disagg=DisaggConfig(**conf["disagg"])).start()
 
     def run(self, ids: list[int], room: int) -> dict:
         start, first, _ = _first_and_last(self.engine, ids, room)

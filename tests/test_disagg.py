@@ -10,7 +10,6 @@ import pytest
 from backends.config import EngineConfig
 from backends.disagg import protocol
 from backends.disagg.config import DisaggConfig
-from backends.disagg.decode import DecodeRole
 from backends.disagg.pipeline import layer_group_size, layer_groups
 from backends.engine import Engine
 from backends.request import SamplingParams
@@ -86,6 +85,7 @@ def test_a_cuda_prefill_records_an_event_per_layer_group_and_never_waits_for_the
     from backends.disagg.prefill import PrefillRole
     from backends.kv_cache import KVManager
     from backends.request import Request
+    from backends.role import EngineFacts
     from backends.runner import Batch
     made = []
     monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(FakeEvent()) or made[-1])
@@ -93,10 +93,11 @@ def test_a_cuda_prefill_records_an_event_per_layer_group_and_never_waits_for_the
     def stream():
         raise AssertionError("the forward waited for the whole stream")
     monkeypatch.setattr(torch.cuda, "current_stream", stream)
-    role, pool, writes = PrefillRole(DisaggConfig(pipeline_group_size=2)), KVManager(16, 4), []
-    model = SimpleNamespace(cfg=SimpleNamespace(num_layers=6))
-    role.scheduler = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda"), model=model), pool=pool)
-    role.worker = SimpleNamespace(trace=None, write=lambda *args: writes.append(args))
+    pool, writes = KVManager(16, 4), []
+    facts = EngineFacts(kv=None, num_layers=6, device_type="cuda", kv_manager=pool, prefix_caching=False,
+                        wake=lambda: None)
+    worker = SimpleNamespace(trace=None, write=lambda *args: writes.append(args))
+    role = PrefillRole(DisaggConfig(pipeline_group_size=2), facts, engine=None, worker=worker)
     req = Request("r", list(range(12)), SamplingParams(), None, None, room=5)
     req.pages = pool.allocate(3)
     role.dests[5] = ("peer", {"pages": [7, 8, 9]}, 0.0)
@@ -300,7 +301,7 @@ def test_preempted_pages_stay_out_of_the_pool_while_writes_read_them(checkpoint,
 
         def record_preempt(req):
             events.append(("preempt", req.room, ()))
-            preempt(req)
+            return preempt(req)
         monkeypatch.setattr(role.worker, "write", record_write)
         monkeypatch.setattr(pool, "_idle", record_idle)
         monkeypatch.setattr(role, "on_preempt", record_preempt)
@@ -456,7 +457,7 @@ def test_decode_cancel_reaches_a_prefill_request_that_comes_later(checkpoint, mo
 def test_cancel_before_the_request_arrives(checkpoint):
     # the router sends a cancel as a request of its own: it can overtake the one it cancels
     engine = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=64, role="decode"),
-                    role=DecodeRole(DisaggConfig(prefill_address=f"127.0.0.1:{free_port()}"))).start()
+                    disagg=DisaggConfig(prefill_address=f"127.0.0.1:{free_port()}")).start()
     try:
         engine.abort("room-7")
         q = queue.Queue()
@@ -491,7 +492,7 @@ def test_cancel_during_decode(pair):
 def test_prefill_unreachable(checkpoint):
     cfg = DisaggConfig(prefill_address=f"127.0.0.1:{free_port()}", handshake_timeout_s=1.0)
     engine = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=64, role="decode"),
-                    role=DecodeRole(cfg)).start()
+                    disagg=cfg).start()
     try:
         q = queue.Queue()
         engine.generate(prompts(1)[0], PARAMS, q.put, request_id="room-1", room=1)

@@ -202,7 +202,6 @@ def test_one_response_per_block_and_text_as_the_tokenizer_decodes(dllm_path):
 
 def test_what_a_dllm_cannot_do_is_refused(dllm_path, tmp_path):
     from backends.disagg.config import DisaggConfig
-    from backends.disagg.prefill import PrefillRole
     engine = dllm_engine(dllm_path)
     try:
         with pytest.raises(InvalidRequest, match="greedy"):
@@ -212,7 +211,7 @@ def test_what_a_dllm_cannot_do_is_refused(dllm_path, tmp_path):
     with pytest.raises(ValueError, match="overlap"):
         Engine(EngineConfig(model_path=dllm_path, overlap="on"))
     with pytest.raises(ValueError, match="disaggregated"):
-        Engine(EngineConfig(model_path=dllm_path, role="prefill"), role=PrefillRole(DisaggConfig()))
+        Engine(EngineConfig(model_path=dllm_path, role="prefill"), disagg=DisaggConfig())
     with pytest.raises(ValueError, match="dllm_threshold"):
         EngineConfig(model_path=dllm_path, dllm_threshold=0)
     with open(os.path.join(dllm_path, "config.json")) as f:

@@ -10,9 +10,8 @@ import pytest
 
 from backends.config import EngineConfig
 from backends.disagg.config import DisaggConfig
-from backends.disagg.decode import DecodeRole
 from backends.disagg.local import drain
-from backends.disagg.prefill import PrefillRole, prefill_agent_name
+from backends.disagg.prefill import prefill_agent_name
 from backends.engine import Engine
 from backends.request import SamplingParams
 from tests.engine_utils import collect, token_ids
@@ -30,7 +29,7 @@ def agent(port: int) -> str:
 
 def start_prefill(path: str, port: int) -> Engine:
     cfg = DisaggConfig(nixl_port=port, transfer_timeout_s=30)
-    return Engine(EngineConfig(model_path=path, **BASE, role="prefill"), role=PrefillRole(cfg)).start()
+    return Engine(EngineConfig(model_path=path, **BASE, role="prefill"), disagg=cfg).start()
 
 
 class Trio:
@@ -42,7 +41,7 @@ class Trio:
         self.prefills = [start_prefill(path, port) for port in self.ports]
         cfg = DisaggConfig(prefill_address=f"127.0.0.1:{free_port()}", transfer_timeout_s=30,
                            handshake_timeout_s=3)
-        self.decode = Engine(EngineConfig(model_path=path, **BASE, role="decode"), role=DecodeRole(cfg)).start()
+        self.decode = Engine(EngineConfig(model_path=path, **BASE, role="decode"), disagg=cfg).start()
 
     def submit(self, ids: list[int], params: SamplingParams, which: int, to_prefill: bool = True):
         room, d, p = random.getrandbits(62) + 1, queue.Queue(), queue.Queue()

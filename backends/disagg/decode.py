@@ -39,6 +39,7 @@ from backends.disagg.transport import KVTransport
 from backends.disagg.worker import TransferWorker
 from backends.kv_cache import Match
 from backends.request import Request, Status
+from backends.role import EngineFacts, EngineOps, KeepPages
 from backends.triton_io import split_agent
 
 log = logging.getLogger("tandem.decode")
@@ -73,8 +74,8 @@ class DecodeRole:
     ends_text = True
     decodes = True
 
-    def __init__(self, cfg: DisaggConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: DisaggConfig, facts: EngineFacts, engine: EngineOps):
+        self.cfg, self.facts, self.engine, self.pool = cfg, facts, engine, facts.kv_manager
         host, port = cfg.prefill_host_port
         self.default_peer = f"{prefill_agent_name(port)}@{host}:{port}"
         self.peers: dict[str, Peer] = {}   # agent name -> its peer
@@ -85,16 +86,12 @@ class DecodeRole:
         self.announced: set[int] = set()   # prealloc rooms the prefill side was told are queued
         self.num_failed = 0
         self.bytes_reused = 0   # prompt KV prefill did not send: decode held it
-
-    def attach(self, scheduler) -> None:
-        self.scheduler, self.pool = scheduler, scheduler.pool
-        self.meta = protocol.new_meta_buffer(self.cfg.meta_slots)
-        self.slots = protocol.SlotPool(self.cfg.meta_slots)
-        kv = scheduler.runner.kv   # [layers, 2, pages, ...]: a page's KV in every layer
+        self.meta = protocol.new_meta_buffer(cfg.meta_slots)
+        self.slots = protocol.SlotPool(cfg.meta_slots)
+        kv = facts.kv   # [layers, 2, pages, ...]: a page's KV in every layer
         self.page_bytes = kv[:, :, 0].numel() * kv.element_size()
-        transport = KVTransport(f"tandem-decode-{uuid.uuid4().hex[:8]}", scheduler.runner.kv, self.meta,
-                                listen_port=None)
-        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s,
+        transport = KVTransport(f"tandem-decode-{uuid.uuid4().hex[:8]}", kv, self.meta, listen_port=None)
+        self.worker = TransferWorker(transport, facts.wake, cfg.transfer_timeout_s,
                                      expecting=lambda: bool(self.transfer))
 
     def close(self) -> None:
@@ -109,9 +106,9 @@ class DecodeRole:
             raise ValueError("a decode request needs a bootstrap room")
         problem = self._pair(req)
         if problem:
-            self.scheduler.finish(req, "error", error=problem)
+            self.engine.finish(req, "error", error=problem)
             return True
-        req.status = Status.PREALLOCATING
+        self.engine.hold(req, Status.PREALLOCATING)
         self.prealloc.append(req)
         return True
 
@@ -154,29 +151,30 @@ class DecodeRole:
         return False
 
     def on_preempt(self, req: Request) -> None:
-        """Nothing to do: a running request's KV has all landed, nothing else touches its pages."""
+        """Nothing to keep: a running request's KV has all landed, nothing else touches its pages."""
+        return None
 
-    def on_abort(self, req: Request) -> None:
+    def on_abort(self, req: Request) -> KeepPages | None:
         if req in self.prealloc:
             self.prealloc.remove(req)
         self.landed = collections.deque(entry for entry in self.landed if entry[0] is not req)
+        keep = None
         if self.transfer.pop(req.room, None) is not None:
-            self._hold(req)
+            keep = self._quarantine(req)
             self._send("abort", req)
         elif req.room in self.announced:
             self._send("abort", req)  # the prefill side waits for its destination without a timeout
         self.announced.discard(req.room)
+        return keep
 
-    def _hold(self, req: Request) -> None:
+    def _quarantine(self, req: Request) -> KeepPages:
         """Prefill may still write into the pages it was given: they go back once it says
         released. The prompt's cached pages (its first cached_pages) it never writes."""
         released = threading.Event()
-        written = req.pages[req.cached_pages:]
-        self.pool.release(req.pages[:req.cached_pages])
-        self.pool.release(written, released.is_set)
-        self.quarantine[req.room] = Quarantined(released, len(written), req.meta_slot, time.monotonic(),
-                                                self._peer(req).name)
-        req.pages, req.meta_slot = [], None
+        self.quarantine[req.room] = Quarantined(released, len(req.pages) - req.cached_pages, req.meta_slot,
+                                                time.monotonic(), self._peer(req).name)
+        req.meta_slot = None
+        return KeepPages(released.is_set, first=req.cached_pages)
 
     # ---- prealloc ------------------------------------------------------------------
     def _dial(self, peer: Peer) -> None:
@@ -216,7 +214,7 @@ class DecodeRole:
         req.admitted_at = time.monotonic()  # the transfer timeout counts from here
         self.meta[slot].zero_()
         self.transfer[req.room] = req
-        req.status = Status.RECEIVING
+        self.engine.hold(req, Status.RECEIVING)
         self._send("dest", req, pages=req.pages[len(held.pages):], slot=slot, prompt_len=len(req.prompt_ids),
                    cached_tokens=held.num_tokens)
         return True
@@ -224,7 +222,7 @@ class DecodeRole:
     def _match(self, req: Request) -> Match:
         """The prompt's full pages in this engine's cache (all of them may match: the first token
         comes from prefill, nothing is computed here), a reference taken on each."""
-        full = len(req.prompt_ids) // self.pool.page_size if self.scheduler.caching else 0
+        full = len(req.prompt_ids) // self.pool.page_size if self.facts.prefix_caching else 0
         return self.pool.match(req.prompt_ids[:full * self.pool.page_size], req.cache_salt, full)
 
     def _pages_needed(self, req: Request) -> tuple[int, int]:
@@ -245,7 +243,7 @@ class DecodeRole:
     def _reserved(self) -> int:
         """KV that admitted requests will still claim for their decode reserve."""
         total = 0
-        held = list(self.transfer.values()) + [entry[0] for entry in self.landed] + self.scheduler.scheduled()
+        held = list(self.transfer.values()) + [entry[0] for entry in self.landed] + self.engine.scheduled()
         for req in held:
             left = min(req.params.max_tokens - len(req.output_ids), self.cfg.decode_reserve_tokens)
             total += max(0, self.pool.pages_for(req.num_tokens + max(left, 0)) - len(req.pages))
@@ -287,8 +285,8 @@ class DecodeRole:
             self._prebuild(req)
         elif kind == "error":
             del self.transfer[room]
-            self._hold(req)  # writes it posted before it failed may still be landing
-            self._fail(req, msg.get("msg", "the prefill engine failed"))
+            # writes it posted before it failed may still be landing
+            self._fail(req, msg.get("msg", "the prefill engine failed"), self._quarantine(req))
 
     def _prebuild(self, req: Request) -> None:
         """KV and metadata have landed: join the running batch without a forward."""
@@ -300,7 +298,6 @@ class DecodeRole:
             self._fail(req, f"metadata mismatch: slot holds room {room} ({prompt_len} tokens), "
                             f"expected room {req.room} ({len(req.prompt_ids)} tokens)")
             return
-        req.num_computed = prompt_len
         self.bytes_reused += req.cached_pages * self.page_bytes
         self._cache_prompt(req)
         self.landed.append((req, token, logprob))
@@ -309,7 +306,7 @@ class DecodeRole:
     def _cache_prompt(self, req: Request) -> None:
         """The prompt's KV has landed: its full pages enter the cache (the scheduler caches the
         pages it decodes, as it does for any request)."""
-        if not self.scheduler.caching:
+        if not self.facts.prefix_caching:
             return
         size = self.pool.page_size
         for i in range(req.cached_pages, len(req.prompt_ids) // size):
@@ -319,18 +316,19 @@ class DecodeRole:
     def _join_landed(self) -> None:
         """Requests whose KV landed join the running batch while it has room
         (max_running_requests); the others keep their pages and wait, in order."""
-        while self.landed and self.scheduler.has_room():
+        while self.landed and self.engine.has_room():
             req, token, logprob = self.landed.popleft()
-            self.scheduler.join_running(req)
-            self.scheduler.append_token(req, token, logprob, self.scheduler.stop_ids(req))
+            self.engine.join_running(req, len(req.prompt_ids))
+            self.engine.append_token(req, token, logprob, self.engine.stop_ids(req))
 
-    def _fail(self, req: Request, message: str) -> None:
+    def _fail(self, req: Request, message: str, keep: KeepPages | None = None) -> None:
+        """keep: the pages prefill may still write (the room is quarantined)."""
         self.num_failed += 1
         self.transfer.pop(req.room, None)
         if req.meta_slot is not None:
             self.slots.give(req.meta_slot)
             req.meta_slot = None
-        self.scheduler.finish(req, "error", error=message)
+        self.engine.finish(req, "error", error=message, keep=keep)
 
     def _fail_all(self, message: str, requests: list[Request]) -> None:
         for req in list(requests):
@@ -349,9 +347,9 @@ class DecodeRole:
         now, limit = time.monotonic(), self.cfg.transfer_timeout_s
         for req in [r for r in self.transfer.values() if now - r.admitted_at > limit]:
             del self.transfer[req.room]
-            self._hold(req)
+            keep = self._quarantine(req)
             self._send("abort", req)
-            self._fail(req, f"KV transfer not done within {limit:g}s")
+            self._fail(req, f"KV transfer not done within {limit:g}s", keep)
         for room, held in list(self.quarantine.items()):
             if now - held.since > limit:  # the prefill side never answered: it is gone or stuck
                 self._unquarantine(room)

@@ -8,8 +8,6 @@ import random
 
 from backends.config import EngineConfig
 from backends.disagg.config import DisaggConfig
-from backends.disagg.decode import DecodeRole
-from backends.disagg.prefill import PrefillRole
 from backends.dp_group import DpGroup, free_port
 from backends.engine import Engine
 from backends.request import RequestOutput, SamplingParams
@@ -26,12 +24,12 @@ class Pair:
         self.prefill_cfg = DisaggConfig(nixl_port=port, **{**disagg, **(prefill_overrides or {})})
         self.decode_cfg = DisaggConfig(prefill_address=f"127.0.0.1:{port}", **{**disagg, **(decode_overrides or {})})
         self.prefill = Engine(EngineConfig(**{**base, **(prefill_engine or {}), "role": "prefill"}),
-                              role=PrefillRole(self.prefill_cfg)).start()
+                              disagg=self.prefill_cfg).start()
         decode = EngineConfig(**{**base, "role": "decode", "dp_size": decode_dp})
         if decode_dp > 1:  # DP attention: the decode ranks in processes of their own
-            self.decode = DpGroup(decode, "decode", self.decode_cfg).start()
+            self.decode = DpGroup(decode, self.decode_cfg).start()
         else:
-            self.decode = Engine(decode, role=DecodeRole(self.decode_cfg)).start()
+            self.decode = Engine(decode, disagg=self.decode_cfg).start()
 
     def submit(self, ids: list[int], params: SamplingParams, room: int | None = None, to_prefill: bool = True):
         room = room or random.getrandbits(62) + 1

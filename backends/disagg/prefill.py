@@ -3,7 +3,7 @@ normal loop and write each layer group's KV into the decode engine's pages as
 soon as it is computed; the metadata follows the last write, then the request
 leaves this engine.
 
-    bootstrap (no `dest` yet) -> scheduler.waiting -> prefill steps
+    bootstrap (no `dest` yet) -> the scheduler's waiting queue -> prefill steps
         (layer hook: post KV writes per group) -> first token sampled
         -> shipping (worker: KV done -> metadata write) -> finished, pages freed
 
@@ -39,6 +39,7 @@ from backends.disagg.transport import KVTransport
 from backends.disagg.worker import TransferWorker
 from backends.model import LayerHook
 from backends.request import Request, Status
+from backends.role import EngineFacts, EngineOps, Fence, KeepPages
 from backends.runner import Batch
 
 log = logging.getLogger("tandem.prefill")
@@ -67,8 +68,11 @@ class PrefillRole:
     ends_text = False         # decode streams the rest: a character cut here is not the end
     decodes = False           # after its first token a request leaves for the decode engine
 
-    def __init__(self, cfg: DisaggConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: DisaggConfig, facts: EngineFacts, engine: EngineOps,
+                 worker: TransferWorker | None = None):
+        """worker: a stand-in for the transfer worker (tests); by default one over a NIXL
+        agent of this engine's own, listening on nixl_port."""
+        self.cfg, self.facts, self.engine, self.pool = cfg, facts, engine, facts.kv_manager
         self.bootstrap: dict[int, Request] = {}         # room -> request whose destination has not come
         self.dests: dict[int, tuple[str, dict, float]] = {}  # room -> (decode peer, dest msg, arrival)
         self.shipping: dict[int, Request] = {}          # room -> request whose KV is on its way
@@ -80,16 +84,16 @@ class PrefillRole:
         self.bytes_shipped = 0
         self.num_failed = 0
         self.fallback_logged = False
+        self.meta = protocol.new_meta_buffer(cfg.meta_slots)
+        self.slots = protocol.SlotPool(cfg.meta_slots)
+        self.worker = worker or self._start_worker()
 
-    def attach(self, scheduler) -> None:
-        self.scheduler = scheduler
-        self.meta = protocol.new_meta_buffer(self.cfg.meta_slots)
-        self.slots = protocol.SlotPool(self.cfg.meta_slots)
-        transport = KVTransport(prefill_agent_name(self.cfg.nixl_port), scheduler.runner.kv, self.meta,
+    def _start_worker(self) -> TransferWorker:
+        transport = KVTransport(prefill_agent_name(self.cfg.nixl_port), self.facts.kv, self.meta,
                                 listen_port=self.cfg.nixl_port)
-        self.worker = TransferWorker(transport, scheduler.wake, self.cfg.transfer_timeout_s,
-                                     expecting=lambda: bool(self.bootstrap))
         log.info("prefill NIXL agent %s listening on port %d", transport.name, transport.port)
+        return TransferWorker(transport, self.facts.wake, self.cfg.transfer_timeout_s,
+                              expecting=lambda: bool(self.bootstrap))
 
     def close(self) -> None:
         self.worker.stop()
@@ -102,21 +106,20 @@ class PrefillRole:
     def admit(self, req: Request) -> bool:
         if req.room is None:
             raise ValueError("a prefill request needs a bootstrap room")
-        req.status = Status.BOOTSTRAPPING
+        self.engine.hold(req, Status.BOOTSTRAPPING)
         self.bootstrap[req.room] = req
         req.admitted_at = time.monotonic()
         if req.room in self.aborted:  # decode gave it up before it got here
             del self.aborted[req.room]
-            self.scheduler.finish(req, "abort")
+            self.engine.finish(req, "abort")
         elif self._runs_before_destination(req):
-            self.scheduler.enqueue(req)
+            self.engine.enqueue(req)
         return True
 
     def _runs_before_destination(self, req: Request) -> bool:
         """Its KV is written after the forward anyway, so the forward need not wait for the destination."""
-        num_layers = self.scheduler.runner.model.cfg.num_layers
         return (self.cfg.prefill_before_destination == "auto"
-                and layer_group_size(num_layers, len(req.prompt_ids), self.cfg) == 0)
+                and layer_group_size(self.facts.num_layers, len(req.prompt_ids), self.cfg) == 0)
 
     def advance(self) -> None:
         for event in self.worker.take_events():
@@ -130,40 +133,36 @@ class PrefillRole:
 
     def on_sampled(self, req: Request) -> bool:
         """First token sampled: stream it, then ship the request (once its destination is here)."""
-        self.scheduler.leave(req)
-        req.status = Status.SHIPPING
-        if req.output_ids[-1] not in self.scheduler.stop_ids(req):
+        self.engine.hold(req, Status.SHIPPING)
+        if req.output_ids[-1] not in self.engine.stop_ids(req):
             req.detok.add(req.output_ids[-1])
-        self.scheduler.emit(req)
+        self.engine.emit(req)
         if req.room not in self.bootstrap:
             self._ship(req)
         return True
 
-    def on_preempt(self, req: Request) -> None:
+    def on_preempt(self, req: Request) -> Fence | None:
         """The request recomputes its prompt, so its KV is sent again (all that decode lacks); the writes
         queued so far still read its pages, which go back to the pool only once they finish."""
         if self.sent_pages.pop(req.room, None) is None:
-            return  # nothing was queued from these pages
+            return None  # nothing was queued from these pages
         drained = self.worker.drain(req.room)
-        if not drained.wait(PREEMPT_DRAIN_S):
-            log.warning("room %d preempted with KV writes in flight: its pages wait for them", req.room)
-            self.scheduler.pool.release(req.pages, drained.is_set)
-            req.pages = []
+        if drained.wait(PREEMPT_DRAIN_S):
+            return None
+        log.warning("room %d preempted with KV writes in flight: its pages wait for them", req.room)
+        return drained.is_set
 
-    def on_abort(self, req: Request) -> None:
+    def on_abort(self, req: Request) -> KeepPages | None:
         self.bootstrap.pop(req.room, None)
         self.decode_queued.discard(req.room)
         dest = self.dests.pop(req.room, None)
         if dest is None:
-            return  # decode never gave a destination: nothing was written
+            return None  # decode never gave a destination: nothing was written
         # writes may still read these pages: they go back once the worker says released
-        # (and the last forward that reads them is done)
         self.shipping[req.room] = req
         released = self.holding[req.room] = threading.Event()
-        after_forward = self.scheduler.after_step(req.last_step) or (lambda: True)
-        self.scheduler.pool.release(req.pages, lambda: released.is_set() and after_forward())
-        req.pages = []
         self._give_up(dest[0], req.room, "the prefill engine aborted the request")
+        return KeepPages(released.is_set)
 
     def layer_hook(self, batch: Batch):
         """Post each layer group's KV writes as soon as the group is computed."""
@@ -171,7 +170,7 @@ class PrefillRole:
         if not plans:
             return None
         avg = batch.num_tokens / len(batch.items)
-        num_layers = self.scheduler.runner.model.cfg.num_layers
+        num_layers = self.facts.num_layers
         size = layer_group_size(num_layers, avg, self.cfg)
         if size == 0 and not self.fallback_logged:
             log.info("KV written after the forward for steps under %d tokens per request and for models of "
@@ -180,7 +179,7 @@ class PrefillRole:
                      self.cfg.pipeline_group_size, num_layers)
             self.fallback_logged = True
         ends = {g.stop - 1: g for g in layer_groups(num_layers, size)}
-        on_gpu = self.scheduler.runner.device.type == "cuda"
+        on_gpu = self.facts.device_type == "cuda"
         trace = self.worker.trace
 
         def after_group(i: int) -> None:
@@ -199,7 +198,7 @@ class PrefillRole:
         peer, dest, _ = self.dests[req.room]
         end = req.num_computed + n
         last = end >= len(req.prompt_ids)
-        upto = self.scheduler.pool.pages_for(end) if last else end // self.scheduler.pool.page_size
+        upto = self.pool.pages_for(end) if last else end // self.pool.page_size
         held = self._decode_holds(dest)   # dest["pages"] starts after them
         start = self.sent_pages.get(req.room, held)
         self.sent_pages[req.room] = max(start, upto)
@@ -209,12 +208,12 @@ class PrefillRole:
 
     def _decode_holds(self, dest: dict) -> int:
         """Prompt pages decode has in its cache: they are not sent."""
-        return dest.get("cached_tokens", 0) // self.scheduler.pool.page_size
+        return dest.get("cached_tokens", 0) // self.pool.page_size
 
     def _on_dest(self, req: Request) -> None:
         """Its destination came: check it, then run the prompt (or ship it, if it has run)."""
         peer, dest, _ = self.dests[req.room]
-        held, pool = dest.get("cached_tokens", 0), self.scheduler.pool
+        held, pool = dest.get("cached_tokens", 0), self.pool
         problem = None
         if dest.get("prompt_len") != len(req.prompt_ids):
             problem = f"prompt length differs: {len(req.prompt_ids)} tokens here, {dest.get('prompt_len')} on decode"
@@ -225,18 +224,18 @@ class PrefillRole:
         if problem:
             self.dests.pop(req.room)
             self._give_up(peer, req.room, f"prefill refused the room: {problem}")
-            self.scheduler.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
+            self.engine.finish(req, "error", error=f"prefill refused room {req.room}: {problem}")
         elif req.output_ids:
             self._ship(req)
         elif req.status is Status.BOOTSTRAPPING:
-            self.scheduler.enqueue(req)
+            self.engine.enqueue(req)
 
     def _ship(self, req: Request) -> None:
         """Write the pages the layer hook has not (the prompt ran before its destination
         came), then the metadata after the last KV write."""
         slot = self.slots.take()
         if slot is None:
-            self.scheduler.finish(req, "error", error="no free metadata slot on the prefill engine")
+            self.engine.finish(req, "error", error="no free metadata slot on the prefill engine")
             return
         req.meta_slot = slot
         protocol.write_meta_row(self.meta, slot, req.room, req.output_ids[-1], req.last_logprob,
@@ -245,7 +244,7 @@ class PrefillRole:
         rest = self._pages_to_send(req, 0)  # the whole prompt is computed: every page not queued yet
         if rest is not None:
             _, _, local, remote = rest
-            self.worker.write(req.room, peer, range(self.scheduler.runner.model.cfg.num_layers), local, remote)
+            self.worker.write(req.room, peer, range(self.facts.num_layers), local, remote)
         self.shipping[req.room] = req
         self.worker.finish(req.room, peer, slot, dest["slot"])
 
@@ -262,17 +261,17 @@ class PrefillRole:
                 req = self._running(room)
                 if req is not None:
                     self.num_failed += 1
-                    self.scheduler.finish(req, "error", error=detail)
+                    self.engine.finish(req, "error", error=detail)
                 return
             if req is None:
                 return
             self._release(req)
             if kind == "shipped":
                 self.bytes_shipped += detail
-                self.scheduler.finish(req, "stop")
+                self.engine.finish(req, "stop")
             elif kind == "failed":
                 self.num_failed += 1
-                self.scheduler.finish(req, "error", error=detail)
+                self.engine.finish(req, "error", error=detail)
 
     def _on_message(self, peer: str, msg: dict) -> None:
         room, kind = msg["room"], msg["kind"]
@@ -285,7 +284,7 @@ class PrefillRole:
             self.decode_queued.discard(room)
             req = self.bootstrap.get(room) or self._running(room) or self.shipping.get(room)
             if req is not None:
-                self.scheduler.finish(req, "abort")
+                self.engine.finish(req, "abort")
                 return
             if self.dests.pop(room, None) is None:
                 self._remember_aborted(room)
@@ -303,7 +302,7 @@ class PrefillRole:
             self.aborted.popitem(last=False)
 
     def _running(self, room: int) -> Request | None:
-        return next((r for r in self.scheduler.scheduled() if r.room == room), None)
+        return next((r for r in self.engine.scheduled() if r.room == room), None)
 
     def _release(self, req: Request) -> None:
         if req.meta_slot is not None:
@@ -318,7 +317,7 @@ class PrefillRole:
         for room, req in list(self.bootstrap.items()):
             if now - req.admitted_at > limit and room not in self.decode_queued:  # a queued room waits
                 self.bootstrap.pop(room)
-                self.scheduler.finish(req, "error", error=f"no KV destination from the decode engine within {limit:g}s")
+                self.engine.finish(req, "error", error=f"no KV destination from the decode engine within {limit:g}s")
         for room, (peer, _, at) in list(self.dests.items()):
             if now - at > limit and room not in self.shipping and self._running(room) is None \
                     and room not in self.bootstrap:
