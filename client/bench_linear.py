@@ -11,10 +11,13 @@ is printed beside it; the per-shape columns split the former by matmul (all laye
 Options: the project's fp32 panel GEMM (kernels.linear.PanelLinear), oneDNN's fp32 inner
 product (OnednnLinear), torch's bf16 F.linear, oneDNN's bf16 inner product unpacked and
 prepacked (torch.ops.mkldnn._reorder_linear_weight for the row count, then
-_linear_pointwise), the project's bf16-weight panel GEMM (Bf16PanelLinear), and torch's
-weight-only int8 matmul (aten._weight_int8pack_mm, per-channel scales). The bf16 library
-rows take bf16 activations ready (a model held in bf16); the panel GEMMs take and give
-fp32 rows, their conversion included.
+_linear_pointwise), the same prepacked product under fp32 rows, the project's bf16-weight
+panel GEMM (Bf16PanelLinear) on vdpbf16ps alone and on AMX tiles alone (the engine's switches
+to the tiles from csrc/panel_gemm.c's panel_amx_min_rows rows), and torch's weight-only int8
+matmul (aten._weight_int8pack_mm, per-channel scales). The bf16 library rows take bf16
+activations ready (a model held in bf16), except "fp32 rows", which rounds fp32 rows to bf16
+and makes its bf16 output fp32 again (what this fp32-activation model would run); the panel
+GEMMs take and give fp32 rows, their conversion included.
 """
 from __future__ import annotations
 
@@ -40,10 +43,20 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def options(rows: int) -> dict:
     """name -> (prepare(weight fp32) -> what the call reads, the activation dtype, call(x, w))."""
-    from kernels.linear import Bf16PanelLinear, OnednnLinear, PanelLinear
+    from kernels.linear import Bf16PanelLinear, OnednnLinear, PanelLinear, panel_amx_min_rows
 
     panel, panel_bf16, onednn = PanelLinear(), Bf16PanelLinear(), OnednnLinear()
     pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def bf16_tiles(from_rows: int):
+        """panel_bf16 with its AMX tiles from `from_rows` rows (0: never)."""
+        def call(x, w):
+            shipped = panel_amx_min_rows(from_rows)
+            try:
+                return panel_bf16(x, w)
+            finally:
+                panel_amx_min_rows(shipped)
+        return call
 
     def int8(w):
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
@@ -56,7 +69,11 @@ def options(rows: int) -> dict:
         "oneDNN bf16": (lambda w: w.bfloat16(), torch.bfloat16, lambda x, w: pointwise(x, w, None, "none", [], "")),
         "oneDNN bf16 prepacked": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows),
                                   torch.bfloat16, lambda x, w: pointwise(x, w, None, "none", [], "")),
-        "panel bf16 weights (hand-written)": (panel_bf16.prepare, torch.float32, panel_bf16),
+        "oneDNN bf16 prepacked, fp32 rows": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows),
+                                             torch.float32,
+                                             lambda x, w: pointwise(x.bfloat16(), w, None, "none", [], "").float()),
+        "panel bf16 weights, vdpbf16ps (hand-written)": (panel_bf16.prepare, torch.float32, bf16_tiles(0)),
+        "panel bf16 weights, AMX tiles (hand-written)": (panel_bf16.prepare, torch.float32, bf16_tiles(1)),
         "torch int8 weight-only": (int8, torch.bfloat16, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, *w)),
     }
 
@@ -97,7 +114,7 @@ def step_times(cfg: ModelConfig, rows: int, repeat: int, only: list[str] | None)
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    p.add_argument("--rows", default="1,8,16")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--only", default="", help="comma-separated substrings of the option names")
     p.add_argument("--json", default="")

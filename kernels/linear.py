@@ -6,8 +6,9 @@ csrc/panel_gemm.c (its header has the why and the numbers); elsewhere on a CPU i
 oneDNN's inner product (AVX-512 by ISA on AMD, where MKL takes its AVX2 path), and
 F.linear on a GPU. All of them are full fp32: error against fp64 ~1e-6 relative.
 bf16 weights on a CPU with AVX-512 BF16, and int8 weights (weights int8), are the same
-panel GEMM's bf16 and int8 forms under fp32 rows (docs/cpu.md: what was measured against
-oneDNN's bf16 inner product and torch's int8 weight-only matmul).
+panel GEMM's bf16 and int8 forms under fp32 rows; from 8 rows the bf16 form runs on AMX
+tiles where the CPU has them (docs/cpu.md: what was measured against oneDNN's bf16 inner
+product, prepacked or not, and torch's int8 weight-only matmul, row count by row count).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ PANEL = 48  # columns per packed panel; csrc/panel_gemm.c's PANEL
 # x, ldx, packed weight, M, N, K, y
 ARGTYPES = (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr)
 # bf16 and int8: + the rows' scratch
-SIGNATURES = {"panel_gemm_f32": ARGTYPES, "panel_gemm_bf16": (*ARGTYPES, _ptr), "panel_gemm_i8": (*ARGTYPES, _ptr)}
+SIGNATURES = {"panel_gemm_f32": ARGTYPES, "panel_gemm_bf16": (*ARGTYPES, _ptr), "panel_gemm_i8": (*ARGTYPES, _ptr),
+              "panel_gemm_amx_ready": ()}
 
 
 class TorchLinear:
@@ -95,6 +97,23 @@ class PanelLinear:
         return self._kernel(x.data_ptr(), 1, w.panels.data_ptr(), 1, 1, 1, y.data_ptr()) == 0
 
 
+def panel_amx_min_rows(rows: int | None = None) -> int:
+    """The row count from which the bf16 panel GEMM runs on AMX tiles (csrc/panel_gemm.c; 0: never):
+    returned, then set to `rows` where given (client.bench_linear times each side of it)."""
+    from kernels import cbuild
+
+    value = ctypes.c_int.in_dll(cbuild.load("panel_gemm", SIGNATURES), "panel_amx_min_rows")
+    shipped = value.value
+    if rows is not None:
+        value.value = rows
+    return shipped
+
+
+def scratch_rows(rows: int) -> int:
+    """Rows of the bf16 GEMMs' scratch: whole groups of 16 (AMX tiles read 16 rows)."""
+    return -(-rows // 16) * 16
+
+
 class Bf16PanelLinear:
     """bf16 weights, fp32 rows in and out: csrc/panel_gemm.c's panel_gemm_bf16. The model around
     it keeps its activations (and KV) in fp32: `activation_dtype`."""
@@ -106,7 +125,8 @@ class Bf16PanelLinear:
     def __init__(self):
         from kernels import cbuild
 
-        self._kernel = getattr(cbuild.load("panel_gemm", SIGNATURES), self.function)
+        self._library = cbuild.load("panel_gemm", SIGNATURES)
+        self._kernel = getattr(self._library, self.function)
 
     def prepare(self, weight: torch.Tensor) -> PackedWeight:
         return pack_bf16(weight)
@@ -119,13 +139,17 @@ class Bf16PanelLinear:
         m, k = rows.shape
         y = torch.empty((m, weight.out_features), dtype=torch.float32)
         if m:
-            scratch = torch.empty(m * -(-k // 2), dtype=torch.int32)
+            scratch = torch.empty(scratch_rows(m) * -(-k // 2), dtype=torch.int32)
             rc = self._kernel(rows.data_ptr(), rows.stride(0), weight.panels.data_ptr(), m, weight.out_features, k,
                               y.data_ptr(), scratch.data_ptr())
             if rc != 0:
                 raise RuntimeError("panel_gemm was built without AVX-512 BF16")
         y = y.view(*x.shape[:-1], weight.out_features)
         return y if bias is None else y.add_(bias)
+
+    def amx_ready(self) -> bool:
+        """Whether the tiles run here: the CPU has AMX and Linux grants this process its state."""
+        return bool(self._library.panel_gemm_amx_ready())
 
     def runs_here(self) -> bool:
         x, y, s = torch.ones(1, 2), torch.empty(1, 1), torch.empty(1, dtype=torch.int32)

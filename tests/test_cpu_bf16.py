@@ -16,7 +16,7 @@ from client import gpu_check
 from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
 from kernels import cbuild
 from kernels.decoder import CpuDecoder
-from kernels.linear import SIGNATURES, Bf16PanelLinear, Int8PanelLinear, pack_bf16, pack_int8
+from kernels.linear import SIGNATURES, Bf16PanelLinear, Int8PanelLinear, pack_bf16, pack_int8, panel_amx_min_rows
 from tests.checkpoints import configs
 
 ARCHS = sorted(configs())
@@ -31,15 +31,25 @@ needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has no AV
 
 @needs_bf16
 @pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (3, 96, 64), (8, 100, 31), (9, 48, 130), (17, 1000, 576),
+                                          (16, 96, 577), (33, 144, 100), (64, 48, 32),
                                           (130, 50, 1536)])
-def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp):
+@pytest.mark.parametrize("tiles", ["vdpbf16ps", "amx"])
+def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp, tiles):
     """Every product of the rounded row and weight exactly, summed in fp32: within fp32's
-    summation error of the fp64 sum of the same bf16 values; rows with a stride and a bias."""
+    summation error of the fp64 sum of the same bf16 values; rows with a stride and a bias;
+    on vdpbf16ps alone, and on AMX tiles from the first row (rows short of a group of 16 as zero
+    rows; a k tail and a partial last panel take vdpbf16ps within the tiles' call)."""
+    if tiles == "amx" and not Bf16PanelLinear().amx_ready():
+        pytest.skip("this CPU (or kernel) gives no AMX tiles")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, inp + 5, generator=gen)[:, 2:2 + inp]
     w, bias = torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
     lin = Bf16PanelLinear()
-    y = lin(x, lin.prepare(w), bias)
+    shipped = panel_amx_min_rows(1 if tiles == "amx" else 0)
+    try:
+        y = lin(x, lin.prepare(w), bias)
+    finally:
+        panel_amx_min_rows(shipped)
     want = x.bfloat16().double() @ w.bfloat16().double().T + bias.double()
     scale = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
     assert y.dtype == torch.float32 and y.shape == (rows, out)
@@ -243,4 +253,4 @@ def test_bench_linear_times_every_option(checkpoint, tmp_path):
     report = json.loads(out.read_text())
     assert sorted(report) == ["1", "9"]
     for rows in report.values():
-        assert len(rows) == 7 and all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
+        assert len(rows) == 9 and all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())

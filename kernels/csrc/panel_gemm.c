@@ -185,10 +185,13 @@ static void panel_pairs(const uint32_t *xb, const char *w, const float *scale, i
                 y[m * n + col + j] *= scale[j];
 }
 
-/* The rows in bf16 pairs: xb [M, K2] uint32, zero past k_dim. */
-static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xb)
+/* The rows in bf16 pairs: xb [M, K2] uint32, zero past k_dim; rows M..pad_rows - 1 all zero. */
+static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad_rows, int64_t k_dim, uint32_t *xb)
 {
     const int64_t k2_dim = (k_dim + 1) / 2;
+#pragma omp for schedule(static) nowait
+    for (int64_t m = m_dim; m < pad_rows; m++)
+        memset(xb + m * k2_dim, 0, k2_dim * sizeof(uint32_t));
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < m_dim; m++) {
         uint16_t *row = (uint16_t *)(xb + m * k2_dim);
@@ -201,23 +204,135 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_d
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* With many rows vdpbf16ps is bound by arithmetic, not by the weight stream: at 16 rows the bf16
+ * panels were slower than the fp32 ones (docs/cpu.md). An AMX tile product does 16 rows x 16
+ * columns x 32 k in one instruction, and the panel layout is already its operand: 16 k pairs of
+ * one panel, 16 columns wide, are a tile with a row stride of 192 bytes. From panel_amx_min_rows rows
+ * a full panel goes through the tiles (measured per row count on the default model's shapes:
+ * docs/cpu.md); a partial last panel, and int8 weights, keep vdpbf16ps. Each tile product adds
+ * exact bf16 products into fp32, as vdpbf16ps does, in another order. */
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, AMX_ROWS = 16, AMX_K2 = 16 };
+
+int panel_amx_min_rows = 8; /* the row count from which the tiles run (docs/cpu.md); client.bench_linear sets it */
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Linux gives a process AMX's tile state only when asked, once (for all its threads). */
+static int amx_permitted(void)
+{
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    if (!state)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+int panel_gemm_amx_ready(void) { return amx_permitted(); }
+
+/* Tiles 0-2: 16 rows x 16 fp32 outputs each (the panel's 48 columns); 3: 16 rows x 16 k pairs;
+ * 4-6: 16 k pairs x 16 columns x 2 of the panel. */
+static void amx_configure(void)
+{
+    struct tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 7; t++)
+        cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* One full panel (48 columns) on the tiles, all rows, 16 at a time: xb has M rounded up to 16
+ * rows (zero rows); k2 past the last whole tile goes through tile_pairs, which adds to y. */
+static void panel_amx(const uint32_t *xb, const char *w, int64_t m_total, int64_t n, int64_t k2_dim, int64_t col,
+                      float *y)
+{
+    const int64_t k2_tiles = k2_dim / AMX_K2 * AMX_K2, cols = PANEL, k0 = k2_tiles, k1 = k2_dim, ahead = 8;
+    float part[AMX_ROWS][PANEL];
+    for (int64_t rows = 0; rows < m_total; rows += AMX_ROWS) {
+        const uint32_t *x16 = xb + rows * k2_dim;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int64_t k = 0; k < k2_tiles; k += AMX_K2) {
+            const char *wk = w + k * 4 * PANEL;
+            _tile_loadd(3, x16 + k, k2_dim * 4);
+            _tile_loadd(4, wk, 4 * PANEL);
+            _tile_loadd(5, wk + 64, 4 * PANEL);
+            _tile_loadd(6, wk + 128, 4 * PANEL);
+            _tile_dpbf16ps(0, 3, 4);
+            _tile_dpbf16ps(1, 3, 5);
+            _tile_dpbf16ps(2, 3, 6);
+        }
+        const int64_t valid = m_total - rows < AMX_ROWS ? m_total - rows : AMX_ROWS;
+        float *out = y + rows * n + col;
+        if (valid == AMX_ROWS) {
+            _tile_stored(0, out, n * 4);
+            _tile_stored(1, out + 16, n * 4);
+            _tile_stored(2, out + 32, n * 4);
+        } else { /* the zero rows past M stay in part */
+            _tile_stored(0, &part[0][0], sizeof part[0]);
+            _tile_stored(1, &part[0][16], sizeof part[0]);
+            _tile_stored(2, &part[0][32], sizeof part[0]);
+            for (int64_t m = 0; m < valid; m++)
+                memcpy(out + m * n, part[m], sizeof part[m]);
+        }
+        for (int64_t row = 0; k0 < k1 && row < valid; row += ROWS) { /* TILE_CASES' names */
+            const uint32_t *xr = x16 + row * k2_dim;
+            float *yr = out + row * n;
+            const int64_t m_dim = valid;
+            TILE_CASES(0)
+        }
+    }
+}
+#else
+enum { AMX_ROWS = 1, AMX_K2 = 1 };
+int panel_amx_min_rows = 0;
+static int amx_permitted(void) { return 0; }
+int panel_gemm_amx_ready(void) { return 0; }
+static void amx_configure(void) {}
+static void panel_amx(const uint32_t *xb, const char *w, int64_t m_dim, int64_t n, int64_t k2_dim, int64_t col,
+                      float *y)
+{
+    (void)xb, (void)w, (void)m_dim, (void)n, (void)k2_dim, (void)col, (void)y;
+}
+#endif
+
+/* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16). */
 static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *scale, int64_t m_dim, int64_t n,
                       int64_t k_dim, float *y, uint32_t *xb)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL;
     const int64_t panel_bytes = PANEL * 2 * k2_dim * (scale ? 1 : 2);
+    const int tiles = !scale && panel_amx_min_rows > 0 && m_dim >= panel_amx_min_rows && k2_dim >= AMX_K2
+                      && amx_permitted();
+    const int64_t pad_rows = tiles ? (m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m_dim;
 #pragma omp parallel
     {
-        rows_to_bf16(x, ldx, m_dim, k_dim, xb);
+        rows_to_bf16(x, ldx, m_dim, pad_rows, k_dim, xb);
+        if (tiles)
+            amx_configure();
 #pragma omp for schedule(dynamic)
-        for (int64_t p = 0; p < panels; p++)
-            panel_pairs(xb, w + p * panel_bytes, scale ? scale + p * PANEL : NULL, m_dim, n, k2_dim, p * PANEL, y);
+        for (int64_t p = 0; p < panels; p++) {
+            if (tiles && n - p * PANEL >= PANEL)
+                panel_amx(xb, w + p * panel_bytes, m_dim, n, k2_dim, p * PANEL, y);
+            else
+                panel_pairs(xb, w + p * panel_bytes, scale ? scale + p * PANEL : NULL, m_dim, n, k2_dim, p * PANEL,
+                            y);
+        }
+        if (tiles)
+            _tile_release();
     }
     return 0;
 }
 
-/* x fp32 [M, K] (row stride ldx), w bf16 panels as above, y fp32 [M, N]. xb: M * ceil(K / 2)
- * uint32 of the caller's scratch for the rows in bf16 pairs. */
+/* x fp32 [M, K] (row stride ldx), w bf16 panels as above, y fp32 [M, N]. xb: the caller's scratch
+ * for the rows in bf16 pairs, ceil(M / 16) * 16 * ceil(K / 2) uint32 (the tiles read whole groups
+ * of 16 rows). */
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
 {
@@ -234,6 +349,8 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     return gemm_pairs(x, ldx, (const char *)w, scale, m_dim, n, k_dim, y, xb);
 }
 #else
+int panel_gemm_amx_ready(void) { return 0; }
+int panel_amx_min_rows = 0;
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
 {
@@ -250,6 +367,9 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 
 #else
 /* Built without AVX-512: returns -1 and the caller keeps oneDNN. */
+int panel_gemm_amx_ready(void) { return 0; }
+int panel_amx_min_rows = 0;
+
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                    float *y)
 {
