@@ -246,6 +246,8 @@ static void amx_configure(void)
     _tile_loadconfig(&cfg);
 }
 
+static void amx_release(void) { _tile_release(); }
+
 /* One full panel (48 columns) on the tiles, all rows, 16 at a time: xb has M rounded up to 16
  * rows (zero rows); k2 past the last whole tile goes through tile_pairs, which adds to y. */
 static void panel_amx(const uint32_t *xb, const char *w, int64_t m_total, int64_t n, int64_t k2_dim, int64_t col,
@@ -295,6 +297,7 @@ int panel_amx_min_rows = 0;
 static int amx_permitted(void) { return 0; }
 int panel_gemm_amx_ready(void) { return 0; }
 static void amx_configure(void) {}
+static void amx_release(void) {}
 static void panel_amx(const uint32_t *xb, const char *w, int64_t m_dim, int64_t n, int64_t k2_dim, int64_t col,
                       float *y)
 {
@@ -325,7 +328,7 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *s
                             y);
         }
         if (tiles)
-            _tile_release();
+            amx_release();
     }
     return 0;
 }
