@@ -79,6 +79,13 @@ class EngineOps(Protocol):
     def after_step(self, step: int) -> Fence | None:
         """The fence "step's forward is done" (None: it is)."""
 
+    def give_pages(self, req: Request, held: Any, new: list[int]) -> None:
+        """The request's KV pages: `held`, a kv_manager.match of its prompt (cached pages, a
+        reference on each), then `new` pages from kv_manager.allocate."""
+
+    def cache_pages(self, req: Request, end: int) -> None:
+        """The full pages of its first `end` positions, their KV written, enter the prefix cache."""
+
 
 class Role(Protocol):
     carries_logprobs: bool   # sampled tokens need their logprob (a hand-off carries it)

@@ -34,7 +34,7 @@ import torch
 
 from backends import dllm
 from backends.config import EngineConfig
-from backends.kv_cache import Fence
+from backends.kv_cache import Fence, Match
 from backends.request import Request, RequestOutput, Status, TokenLogprob
 from backends.role import ColocatedRole, KeepPages, Role
 from backends.runner import Batch, ModelRunner, StepInputs
@@ -378,18 +378,26 @@ class Scheduler:
         done: never while it is in flight). A diffusion block's positions count once final."""
         if not self.caching:
             return
-        size = self.pool.page_size
         for (req, n), start, epoch in zip(step.batch.items, step.batch.starts, step.epochs):
             if req.status is Status.FINISHED or req.kv_epoch != epoch:
                 continue  # its pages went back, or it was preempted after the launch
-            end = start + n if req.block is None else min(start + n, req.block_start)
-            while req.cached_pages < min(end // size, len(req.pages)):
-                i = req.cached_pages
-                tokens = req.token_slice(i * size, (i + 1) * size)
-                if any(isinstance(t, tuple) for t in tokens):
-                    break  # a token still being sampled (cannot be: its step ended before this one)
-                req.cache_parent = self.pool.cache(req.pages[i], req.cache_parent, tokens)
-                req.cached_pages += 1
+            self.cache_pages(req, start + n if req.block is None else min(start + n, req.block_start))
+
+    def cache_pages(self, req: Request, end: int) -> None:
+        """The full pages of its first `end` positions, their KV written, enter the cache."""
+        size = self.pool.page_size
+        while req.cached_pages < min(end // size, len(req.pages)):
+            i = req.cached_pages
+            tokens = req.token_slice(i * size, (i + 1) * size)
+            if any(isinstance(t, tuple) for t in tokens):
+                break  # a token still being sampled (cannot be: its step ended before this one)
+            req.cache_parent = self.pool.cache(req.pages[i], req.cache_parent, tokens)
+            req.cached_pages += 1
+
+    def give_pages(self, req: Request, held: Match, new: list[int]) -> None:
+        """A role's request gets its KV pages: the cached ones it matched, then new ones."""
+        req.pages = held.pages + new
+        req.cached_pages, req.cache_parent = len(held.pages), held.parent
 
     def _schedule_dllm(self) -> Batch | None:
         """Block diffusion: denoising work and prefill work (whole prompt blocks) never share a

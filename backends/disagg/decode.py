@@ -209,8 +209,8 @@ class DecodeRole:
             return False
         self.prealloc.remove(req)
         self.announced.discard(req.room)
-        req.pages, req.meta_slot = held.pages + self.pool.allocate(now - len(held.pages)), slot
-        req.cached_pages, req.cache_parent = len(held.pages), held.parent
+        self.engine.give_pages(req, held, self.pool.allocate(now - len(held.pages)))
+        req.meta_slot = slot
         req.admitted_at = time.monotonic()  # the transfer timeout counts from here
         self.meta[slot].zero_()
         self.transfer[req.room] = req
@@ -306,12 +306,8 @@ class DecodeRole:
     def _cache_prompt(self, req: Request) -> None:
         """The prompt's KV has landed: its full pages enter the cache (the scheduler caches the
         pages it decodes, as it does for any request)."""
-        if not self.facts.prefix_caching:
-            return
-        size = self.pool.page_size
-        for i in range(req.cached_pages, len(req.prompt_ids) // size):
-            req.cache_parent = self.pool.cache(req.pages[i], req.cache_parent, req.prompt_ids[i * size:(i + 1) * size])
-            req.cached_pages = i + 1
+        if self.facts.prefix_caching:
+            self.engine.cache_pages(req, len(req.prompt_ids))
 
     def _join_landed(self) -> None:
         """Requests whose KV landed join the running batch while it has room
