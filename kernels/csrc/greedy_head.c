@@ -152,25 +152,9 @@ static float bar(float *s, const float *wnorm, float coef, float lb, const int64
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, TILE_ROWS = 16 };
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Linux gives a process AMX's tile state only when asked, once (for all its threads). */
-static int amx_permitted(void)
-{
-    static int state;  /* 0: not asked yet, 1: granted, -1: refused */
-    if (!state)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state > 0;
-}
+enum { TILE_ROWS = 16 };
 
 /* This thread's share of the screen on AMX tiles (called by every thread of the team): pairs of
  * panels, and within a pair every group of 16 rows (xb has m_dim rounded up to 16, zero rows),

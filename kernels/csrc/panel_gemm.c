@@ -205,34 +205,11 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-/* With many rows vdpbf16ps is bound by arithmetic, not by the weight stream: at 16 rows the bf16
- * panels were slower than the fp32 ones (docs/cpu.md). An AMX tile product does 16 rows x 16
- * columns x 32 k in one instruction, and the panel layout is already its operand: 16 k pairs of
- * one panel, 16 columns wide, are a tile with a row stride of 192 bytes. From panel_amx_min_rows rows
- * a full panel goes through the tiles (measured per row count on the default model's shapes:
- * docs/cpu.md); a partial last panel, and int8 weights, keep vdpbf16ps. Each tile product adds
- * exact bf16 products into fp32, as vdpbf16ps does, in another order. */
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, AMX_ROWS = 16, AMX_K2 = 16 };
+enum { AMX_ROWS = 16, AMX_K2 = 16 };
 
 int panel_amx_min_rows = 8; /* the row count from which the tiles run (docs/cpu.md); client.bench_linear sets it */
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Linux gives a process AMX's tile state only when asked, once (for all its threads). */
-static int amx_permitted(void)
-{
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    if (!state)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state > 0;
-}
 
 int panel_gemm_amx_ready(void) { return amx_permitted(); }
 
