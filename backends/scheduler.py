@@ -356,17 +356,11 @@ class Scheduler:
             if other.cache_salt != req.cache_salt or other.cached_pages >= limit or other.block is not None:
                 continue
             have = max(matched, other.cached_pages)   # pages the cache holds (or will not)
-            end = min(limit, other.num_tokens // size)
-            if end > have and self._shared_pages(req, other, end) > have:
-                return True
+            if have < min(limit, other.num_tokens // size):   # other computes a page past them
+                past = (have + 1) * size                       # and it is this request's next one
+                if req.token_slice(0, past) == other.token_slice(0, past):
+                    return True
         return False
-
-    def _shared_pages(self, req: Request, other: Request, end: int) -> int:
-        """How many of the first `end` pages the two requests' tokens have in common."""
-        size, n = self.pool.page_size, 0
-        while n < end and req.token_slice(n * size, (n + 1) * size) == other.token_slice(n * size, (n + 1) * size):
-            n += 1
-        return n
 
     def _unmatch(self, req: Request) -> None:
         """Not admitted after all: it holds nothing while it waits."""
