@@ -20,6 +20,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
+/* Built without AMX tiles (or without the AVX-512 BF16 GEMM they serve): never tiles. */
+int panel_amx_min_rows = 0;
+int panel_gemm_amx_ready(void) { return 0; }
+#endif
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -270,9 +276,7 @@ static void panel_amx(const uint32_t *xb, const char *w, int64_t m_total, int64_
 }
 #else
 enum { AMX_ROWS = 1, AMX_K2 = 1 };
-int panel_amx_min_rows = 0;
 static int amx_permitted(void) { return 0; }
-int panel_gemm_amx_ready(void) { return 0; }
 static void amx_configure(void) {}
 static void amx_release(void) {}
 static void panel_amx(const uint32_t *xb, const char *w, int64_t m_dim, int64_t n, int64_t k2_dim, int64_t col,
@@ -329,8 +333,6 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     return gemm_pairs(x, ldx, (const char *)w, scale, m_dim, n, k_dim, y, xb);
 }
 #else
-int panel_gemm_amx_ready(void) { return 0; }
-int panel_amx_min_rows = 0;
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
 {
@@ -347,9 +349,6 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 
 #else
 /* Built without AVX-512: returns -1 and the caller keeps oneDNN. */
-int panel_gemm_amx_ready(void) { return 0; }
-int panel_amx_min_rows = 0;
-
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                    float *y)
 {
