@@ -38,9 +38,6 @@ def write_repository(path: str, settings: dict[str, str]) -> str:
         text, n = re.subn(rf'(key: "{key}"\s*value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
         if n != 1:
             raise ValueError(f"llm's config.pbtxt has no parameter {key!r}")
-    # Inputs copied without the pinned staging path: on the GPU box the stub read a BYTES input
-    # without its length prefix (docs/gpu.md); that path is the one a CPU box never takes.
-    text += "optimization { input_pinned_memory { enable: false } output_pinned_memory { enable: false } }\n"
     with open(config, "w") as f:
         f.write(text)
     return repo
@@ -97,10 +94,7 @@ def start_server(server_dir: str, repo: str, log_path: str, stub_path: str, port
                                          os.environ.get("LD_LIBRARY_PATH", "")]))
     cmd = [os.path.join(server_dir, "bin", "tritonserver"), "--backend-directory", os.path.join(server_dir, "backends"),
            "--model-repository", repo, "--http-port", str(port), "--grpc-port", str(free_port()),
-           "--metrics-port", str(free_port()),
-           # Inputs in plain host memory: on the GPU box the stub read a BYTES input without its
-           # length prefix (docs/gpu.md); the pinned pool is the one difference seen from a CPU box.
-           "--pinned-memory-pool-byte-size", "0"]
+           "--metrics-port", str(free_port())]
     return subprocess.Popen(cmd, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
