@@ -3,6 +3,7 @@ with some parameters changed. Used by the tests and the load tools."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -16,10 +17,35 @@ DEFAULT_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 TRITONSERVER = os.path.join(ROOT, ".venv", "bin", "tritonserver")
 
 
+_given: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out
+    itself (bind to 0) can be taken back as the source port of any outgoing connection
+    (a model connecting to its peer while the server loads) before the server binds it,
+    as a CI run saw ("Socket ... already in use")."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def set_parameters(config: str, values: dict[str, str]) -> str:
@@ -69,6 +95,16 @@ class TritonServer:
         self.stop()
 
     def start(self) -> None:
+        for attempt in range(3):
+            self._launch()
+            if self._wait_ready():
+                return
+            if attempt == 2 or "already in use" not in self.log_tail():
+                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
+            # Another process bound one of our ports first: take new ones.
+            self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+
+    def _launch(self) -> None:
         cmd = [TRITONSERVER, "--model-repository", self.repo_dir, "--grpc-port", str(self.grpc_port),
                "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
                "--exit-timeout-secs", "10"]
@@ -77,12 +113,15 @@ class TritonServer:
         # outlive a server which did not unload a model within its exit timeout.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
+
+    def _wait_ready(self) -> bool:
+        """True once ready; False when the server exited."""
         deadline = time.time() + self.ready_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited ({self.proc.returncode}):\n{self.log_tail()}")
+                return False
             if self._ready():
-                return
+                return True
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s}s:\n{self.log_tail()}")
