@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -144,7 +145,27 @@ def _fmt(x: float) -> str:
 
 def run_level(t: Target, mode: str, level: float, w: Workload, seed: int, run_dir: str,
               progress: "Progress") -> dict:
-    """One genai-perf run; returns its row for the table (with `error` set if it failed)."""
+    """One genai-perf run; returns its row for the table (with `error` set if it failed). Run
+    again once when genai-perf found perf_analyzer's export cut short: perf_analyzer 2.51 has
+    exited 0 with its profile_export.json ending at a 64 KiB boundary (1 run in ~20 here, the
+    server's stream complete); a second run is a new measurement, and the row says so."""
+    row = _run_level_once(t, mode, level, w, seed, run_dir, progress)
+    if row["error"] and _export_cut_short(run_dir):
+        shutil.rmtree(run_dir)
+        row = {**_run_level_once(t, mode, level, w, seed, run_dir, progress), "rerun": "export cut short"}
+    return row
+
+
+def _export_cut_short(run_dir: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, "genai-perf.log"), errors="replace") as f:
+            return "JSONDecodeError" in f.read()
+    except OSError:
+        return False
+
+
+def _run_level_once(t: Target, mode: str, level: float, w: Workload, seed: int, run_dir: str,
+                    progress: "Progress") -> dict:
     os.makedirs(run_dir, exist_ok=True)
     log_path = os.path.join(run_dir, "genai-perf.log")
     # genai-perf runs the perf_analyzer it finds on PATH: the venv's wrapper.
@@ -224,7 +245,8 @@ class Progress:
         else:
             msg = (f"{row['output_tok_s']:.1f} tok/s, {row['requests_s']:.2f} req/s, "
                    f"TTFT p50 {row['ttft_ms']['p50']:.0f} ms, ITL p50 {row['itl_ms']['p50']:.1f} ms")
-        print(f"{prefix}{self.label}: {msg} ({row['seconds']:.0f}s)", file=sys.stderr, flush=True)
+        again = f", run again: {row['rerun']}" if row.get("rerun") else ""
+        print(f"{prefix}{self.label}: {msg} ({row['seconds']:.0f}s{again})", file=sys.stderr, flush=True)
 
 
 def sweep(targets: list[Target], mode: str, levels: list[float], w: Workload, out_dir: str,

@@ -140,3 +140,26 @@ def test_rounds_median_of_ratios(tmp_path, capsys):
     assert main(["--rounds", *map(str, paths)]) == 0
     out = capsys.readouterr().out
     assert "over 3 rounds" in out and "vllm" in out and "c=8 1.30x (1.20-1.50)" in out
+
+
+def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):
+    """perf_analyzer has written profile_export.json cut at a 64 KiB boundary and exited 0:
+    genai-perf then fails to parse it. That level runs once more, and says so; any other
+    failure does not."""
+    from client import bench
+    calls = []
+
+    def once(t, mode, level, w, seed, run_dir, progress):
+        calls.append(run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        if len(calls) == 1 or "other" in run_dir:
+            with open(os.path.join(run_dir, "genai-perf.log"), "w") as f:
+                f.write("orjson.JSONDecodeError: unexpected end of data\n" if "other" not in run_dir else "refused\n")
+            return {"error": "genai-perf exited 1"}
+        return {"error": None, "output_tok_s": 1.0}
+
+    monkeypatch.setattr(bench, "_run_level_once", once)
+    row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "cut"), None)
+    assert row == {"error": None, "output_tok_s": 1.0, "rerun": "export cut short"} and len(calls) == 2
+    row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "other"), None)
+    assert row["error"] and "rerun" not in row and len(calls) == 3
