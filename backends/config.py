@@ -32,8 +32,8 @@ class EngineConfig:
                "AVX-512 BF16 (a bf16 or fp16 checkpoint runs in bf16, an fp32 one in fp32), else fp32; float32, "
                "bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations and KV"})
     weights: str = field(default="auto", metadata={
-        "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: per-channel symmetric int8 weights, "
-               "fp32 activations and KV (cpu with AVX-512 BF16)"})
+        "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: symmetric int8 weights with a scale per 32 "
+               "weights of a row (as Q8_0), fp32 activations and KV (cpu with AVX-512 BF16)"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})

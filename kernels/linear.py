@@ -157,21 +157,36 @@ class Bf16PanelLinear:
         return self._kernel(x.data_ptr(), 2, w.panels.data_ptr(), 1, 1, 2, y.data_ptr(), s.data_ptr()) == 0
 
 
+INT8_GROUP = 32  # k per int8 scale (csrc/panel_gemm.c's GROUP2 pairs), as llama.cpp's Q8_0
+
+
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with a scale per row and group of INT8_GROUP k: (q [out, in padded to a
+    whole group] as floats, scales [out, groups]); s = the group's largest |w| / 127."""
+    n, k = weight.shape
+    groups = -(-k // INT8_GROUP)
+    w = torch.zeros(n, groups * INT8_GROUP, dtype=torch.float32)
+    w[:, :k] = weight
+    w = w.view(n, groups, INT8_GROUP)
+    scale = w.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = (w / scale[:, :, None]).round_().clamp_(-127, 127)
+    return q.view(n, -1), scale
+
+
 def pack_int8(weight: torch.Tensor) -> PackedWeight:
-    """Per-channel symmetric int8: q = round(w / s) with s = max|w_row| / 127, in pack_bf16's
-    layout, then the fp32 scales of every padded column, in one byte buffer (panel_gemm_i8)."""
-    n, _ = weight.shape
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    q = (w / scale[:, None]).round_().clamp_(-127, 127)
-    panels = pack_bf16(q).panels.to(torch.int8)  # integers of 7 bits: exact through bf16
-    scales = torch.zeros(panels.shape[0] * PANEL, dtype=torch.float32)
+    """int8_groups' q in pack_bf16's layout, then its fp32 scales [panels, groups, PANEL] (zero
+    past `out`), in one byte buffer (panel_gemm_i8)."""
+    n, k = weight.shape
+    q, scale = int8_groups(weight)
+    panels = pack_bf16(q[:, :-(-k // 2) * 2]).panels.to(torch.int8)  # integers of 7 bits: exact through bf16
+    scales = torch.zeros(panels.shape[0] * PANEL, scale.shape[1], dtype=torch.float32)
     scales[:n] = scale
-    return PackedWeight(torch.cat([panels.view(torch.uint8).flatten(), scales.view(torch.uint8)]), n)
+    scales = scales.view(panels.shape[0], PANEL, -1).transpose(1, 2).contiguous()
+    return PackedWeight(torch.cat([panels.view(torch.uint8).flatten(), scales.view(torch.uint8).flatten()]), n)
 
 
 class Int8PanelLinear(Bf16PanelLinear):
-    """Per-channel symmetric int8 weights (weight-only), fp32 rows: panel_gemm_i8."""
+    """Symmetric int8 weights, a scale per 32 k of a column (weight-only), fp32 rows: panel_gemm_i8."""
     name = "panel-int8"
     kind = 2
     function = "panel_gemm_i8"

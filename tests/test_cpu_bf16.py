@@ -3,7 +3,7 @@ GEMMs against an exact reference, and every tiny architecture's engine against t
 the way `make gpu-check` checks CUDA bf16: greedy ids equal wherever fp32's top-2 margin
 exceeds twice the measured error (here measured at each position), first-step logits within
 twice it (plus 0.1 % of their scale). The error is measured per kind on transformers' own forward against its fp32 one:
-bf16 that model in bf16; int8 the fp32 model with every matmul weight rounded per channel to
+bf16 that model in bf16; int8 the fp32 model with every matmul weight rounded per group of 32 k to
 int8 and back (the lm_head untied from the embedding, which the engine keeps as it is)."""
 import os
 
@@ -16,7 +16,8 @@ from client import gpu_check
 from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
 from kernels import cbuild
 from kernels.decoder import CpuDecoder
-from kernels.linear import SIGNATURES, Bf16PanelLinear, Int8PanelLinear, pack_bf16, pack_int8, panel_amx_min_rows
+from kernels.linear import (INT8_GROUP, SIGNATURES, Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_bf16,
+                            pack_int8, panel_amx_min_rows)
 from tests.checkpoints import configs
 
 ARCHS = sorted(configs())
@@ -58,30 +59,44 @@ def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp, tiles):
 
 @needs_bf16
 @pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (8, 100, 31), (17, 1000, 576), (130, 50, 1536)])
-def test_int8_panel_gemm_is_the_scaled_int8_product(rows, out, inp):
+def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, inp):
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen)
-    w[3] = 0  # an all-zero row: its scale must not divide by zero
+    w[3] = 0  # an all-zero row: its scales must not divide by zero
+    w[5, :INT8_GROUP] *= 1000  # one large group: the row's other groups keep their own scales
     lin = Int8PanelLinear()
     y = lin(x, lin.prepare(w))
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    q = (w / scale[:, None]).round().clamp(-127, 127)
-    assert (q.abs() == 127).any(dim=1)[:3].all()  # every nonzero row reaches the full range
+    groups = -(-inp // INT8_GROUP)
+    padded = torch.nn.functional.pad(w, (0, groups * INT8_GROUP - inp)).view(out, groups, INT8_GROUP)
+    scale = padded.abs().amax(dim=2, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    q = (padded / scale).round().clamp(-127, 127)
+    assert (q.abs() == 127).any(dim=2)[:3].all()  # every nonzero group reaches the full range
+    weight = (q * scale).view(out, -1)[:, :inp].bfloat16().double()  # bf16(q * s), as in registers
     xb = x.bfloat16().double()
-    want = (xb @ q.double().T) * scale.double()
-    bound = inp * 2 ** -23 * (xb.abs() @ q.double().abs().T) * scale.double() + 1e-6
+    want = xb @ weight.T
+    bound = inp * 2 ** -23 * (xb.abs() @ weight.abs().T) + 1e-6
     assert ((y.double() - want).abs() <= bound).all()
     assert (y[:, 3] == 0).all()
+    if inp > INT8_GROUP:  # row 5's other groups keep their weights; one scale a row would zero them
+        x[:, :INT8_GROUP] = 0
+        per_channel = w.abs().amax(dim=1, keepdim=True) / 127
+        coarse = x.double() @ ((w / per_channel).round() * per_channel).double().T
+        exact = x.double() @ w.double().T
+        error = (lin(x, lin.prepare(w)).double() - exact)[:, 5].abs().mean()
+        assert error < (coarse - exact)[:, 5].abs().mean() / 10
 
 
-def test_int8_pack_holds_the_scales_after_the_panels():
-    w = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [3.0, 1.0, -1.0]])
+def test_int8_pack_holds_the_group_scales_after_the_panels():
+    w = torch.zeros(3, 35)
+    w[0, :3], w[2, :3], w[0, 33] = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([3.0, 1.0, -1.0]), 4.0
     packed = pack_int8(w)
-    panel_bytes = 1 * 2 * 48 * 2  # one panel, K2 = 2, 48 columns, 2 k
-    q = packed.panels[:panel_bytes].view(torch.int8).view(1, 2, 48, 2)
-    scales = packed.panels[panel_bytes:].view(torch.float32)
-    assert scales.shape == (48,) and scales[0].item() == pytest.approx(2 / 127) and scales[1] > 0
+    panel_bytes = 1 * 18 * 48 * 2  # one panel, K2 = 18, 48 columns, 2 k
+    q = packed.panels[:panel_bytes].view(torch.int8).view(1, 18, 48, 2)
+    scales = packed.panels[panel_bytes:].view(torch.float32).view(1, 2, 48)  # [panels, groups of 32 k, 48]
+    assert scales[0, 0, 0].item() == pytest.approx(2 / 127) and scales[0, 1, 0].item() == pytest.approx(4 / 127)
+    assert scales[0, 0, 1] > 0 and (scales[0, :, 3:] == 0).all()
     assert q[0, 0, 0].tolist() == [64, -127] and q[0, 1, 2].tolist() == [-42, 0] and q[0, 0, 1].tolist() == [0, 0]
+    assert q[0, 16, 0].tolist() == [0, 127]
 
 
 def test_bf16_pack_layout():
@@ -143,16 +158,17 @@ def tokenizer(checkpoint):
 
 
 def int8_reference(model):
-    """model (fp32, transformers) with each matmul weight rounded per channel to int8 and back."""
+    """model (fp32, transformers) with each matmul weight rounded to int8 per group of 32 k and
+    back, to bf16 as the kernel does."""
     import torch.nn as nn
     with torch.no_grad():
         if model.lm_head.weight is model.get_input_embeddings().weight:
             model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
-                w = module.weight
-                scale = w.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
-                w.copy_((w / scale).round().clamp(-127, 127) * scale)
+                q, scale = int8_groups(module.weight)
+                weight = (q.view(*scale.shape, -1) * scale[:, :, None]).view(q.shape)[:, :module.weight.shape[1]]
+                module.weight.copy_(weight.bfloat16())
     return model
 
 

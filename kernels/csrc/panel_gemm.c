@@ -29,7 +29,7 @@ int panel_gemm_amx_ready(void) { return 0; }
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-enum { PANEL = 48, ROWS = 8, KBLOCK = 64 };
+enum { PANEL = 48, ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
 /* Accumulates k in [k0, k1) of one 8-row tile into y (which it starts from zero when
  * k0 == 0). rows: 1..ROWS, a constant after inlining, so acc[][] lives in registers. */
@@ -110,22 +110,37 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
 /* The same for bf16 or int8 weights: panels of 48 columns, each [K2][48][2] (K2 = ceil(K / 2), k
  * in pairs, the odd last k zero-padded), so a step of k2 is 16 columns x 2 k per vdpbf16ps
  * operand, three of them: 192 bytes in bf16 (as a step of k in fp32), 96 in int8. The rows are
- * rounded to bf16 (nearest even) once per call; int8 weights become bf16 in registers (exactly:
- * |q| <= 127 has 7 significant bits) and their panel's per-column scales multiply the sums at
- * the end. Every product of two bf16 is exact in fp32 and the sums are fp32, as oneDNN's bf16
- * inner product does. */
-static inline __attribute__((always_inline)) __m512bh load_pairs(const char *w, int i8)
+ * rounded to bf16 (nearest even) once per call. int8 weights carry a scale per column and group
+ * of 32 k (GROUP2 k2 steps), as llama.cpp's Q8_0 does: in registers each q becomes bf16(q * s),
+ * the weight the scale stands for, rounded as a bf16 weight is. Every product of two bf16 is
+ * exact in fp32 and the sums are fp32, as oneDNN's bf16 inner product does. */
+static inline __attribute__((always_inline)) __m512bh load_pairs(const char *w, int i8, __m512 s_lo, __m512 s_hi)
 {
     if (!i8)
         return (__m512bh)_mm512_loadu_si512(w);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo));
 }
 
-/* step: bytes of one k2 step of a panel (192 bf16, 96 int8); w points at the panel. */
+/* The scales of group g's 48 columns, as load_pairs takes them: a part's columns 0-7 (lo) and
+ * 8-15 (hi), each twice (a column's two k of a pair). */
+static inline __attribute__((always_inline)) void group_scales(const float *scale, int64_t g, __m512 s_lo[3],
+                                                              __m512 s_hi[3])
+{
+    const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int j = 0; j < 3; j++) {
+        const __m512 s = _mm512_loadu_ps(scale + g * PANEL + 16 * j);
+        s_lo[j] = _mm512_permutexvar_ps(lo, s);
+        s_hi[j] = _mm512_permutexvar_ps(hi, s);
+    }
+}
+
+/* step: bytes of one k2 step of a panel (192 bf16, 96 int8); w points at the panel, scale at its
+ * int8 scales ([groups][48]). */
 static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb, int64_t k2_dim, const char *w,
-                                                            int i8, int64_t n, int64_t k0, int64_t k1,
+                                                            int i8, const float *scale, int64_t n, int64_t k0, int64_t k1,
                                                             int64_t cols, int rows, int64_t ahead, float *y)
 {
     const int64_t step = i8 ? 2 * PANEL : 4 * PANEL, part = step / 3;
@@ -137,11 +152,17 @@ static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb,
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < 3; j++)
             acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+    __m512 s_lo[3], s_hi[3];
+    for (int j = 0; j < 3; j++)
+        s_lo[j] = s_hi[j] = _mm512_setzero_ps(); /* bf16 panels: never read */
     const char *wk = w + k0 * step;
     for (int64_t k = k0; k < k1; k++, wk += step) {
         for (int64_t b = 0; b < step; b += 64)
             _mm_prefetch(wk + ahead * step + b, _MM_HINT_T0);
-        const __m512bh w0 = load_pairs(wk, i8), w1 = load_pairs(wk + part, i8), w2 = load_pairs(wk + 2 * part, i8);
+        if (i8 && (k == k0 || k % GROUP2 == 0))
+            group_scales(scale, k / GROUP2, s_lo, s_hi);
+        const __m512bh w0 = load_pairs(wk, i8, s_lo[0], s_hi[0]), w1 = load_pairs(wk + part, i8, s_lo[1], s_hi[1]),
+                       w2 = load_pairs(wk + 2 * part, i8, s_lo[2], s_hi[2]);
         for (int m = 0; m < rows; m++) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[m * k2_dim + k]);
             acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xv, w0);
@@ -154,19 +175,19 @@ static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb,
             _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
 }
 
-#define TILE_CASES(I8)                                                                                  \
-    switch (m_dim - row < ROWS ? m_dim - row : ROWS) {                                                  \
-    case 1: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 1, ahead, yr); break;                        \
-    case 2: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 2, ahead, yr); break;                        \
-    case 3: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 3, ahead, yr); break;                        \
-    case 4: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 4, ahead, yr); break;                        \
-    case 5: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 5, ahead, yr); break;                        \
-    case 6: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 6, ahead, yr); break;                        \
-    case 7: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 7, ahead, yr); break;                        \
-    default: tile_pairs(xr, k2_dim, w, I8, n, k0, k1, cols, 8, ahead, yr); break;                       \
+#define TILE_CASES(I8)                                                                                         \
+    switch (m_dim - row < ROWS ? m_dim - row : ROWS) {                                                         \
+    case 1: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 1, ahead, yr); break;                        \
+    case 2: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 2, ahead, yr); break;                        \
+    case 3: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 3, ahead, yr); break;                        \
+    case 4: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 4, ahead, yr); break;                        \
+    case 5: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 5, ahead, yr); break;                        \
+    case 6: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 6, ahead, yr); break;                        \
+    case 7: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 7, ahead, yr); break;                        \
+    default: tile_pairs(xr, k2_dim, w, I8, scale, n, k0, k1, cols, 8, ahead, yr); break;                       \
     }
 
-/* One panel, all rows, as panel() does; scale: the panel's column scales (int8), or NULL. */
+/* One panel, all rows, as panel() does; scale: the panel's int8 scales, or NULL (bf16). */
 static void panel_pairs(const uint32_t *xb, const char *w, const float *scale, int64_t m_dim, int64_t n,
                         int64_t k2_dim, int64_t col, float *y)
 {
@@ -185,10 +206,6 @@ static void panel_pairs(const uint32_t *xb, const char *w, const float *scale, i
             }
         }
     }
-    if (scale)
-        for (int64_t m = 0; m < m_dim; m++)
-            for (int64_t j = 0; j < cols; j++)
-                y[m * n + col + j] *= scale[j];
 }
 
 /* The rows in bf16 pairs: xb [M, K2] uint32, zero past k_dim; rows M..pad_rows - 1 all zero. */
@@ -270,6 +287,7 @@ static void panel_amx(const uint32_t *xb, const char *w, int64_t m_total, int64_
             const uint32_t *xr = x16 + row * k2_dim;
             float *yr = out + row * n;
             const int64_t m_dim = valid;
+            const float *scale = NULL;
             TILE_CASES(0)
         }
     }
@@ -286,30 +304,50 @@ static void panel_amx(const uint32_t *xb, const char *w, int64_t m_dim, int64_t 
 }
 #endif
 
+/* An int8 panel as bf16(q * s) in the bf16 panels' layout, for the tiles: the same weights as
+ * load_pairs makes of it in registers. */
+static void dequantize_panel(const char *w, const float *scale, int64_t k2_dim, char *out)
+{
+    __m512 s_lo[3], s_hi[3];
+    for (int64_t k = 0; k < k2_dim; k++) {
+        if (k % GROUP2 == 0)
+            group_scales(scale, k / GROUP2, s_lo, s_hi);
+        for (int j = 0; j < 3; j++)
+            _mm512_storeu_si512(out + k * 4 * PANEL + 64 * j,
+                                (__m512i)load_pairs(w + k * 2 * PANEL + 32 * j, 1, s_lo[j], s_hi[j]));
+    }
+}
+
 /* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16). */
 static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *scale, int64_t m_dim, int64_t n,
                       int64_t k_dim, float *y, uint32_t *xb)
 {
-    const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL;
+    const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
     const int64_t panel_bytes = PANEL * 2 * k2_dim * (scale ? 1 : 2);
-    const int tiles = !scale && panel_amx_min_rows > 0 && m_dim >= panel_amx_min_rows && k2_dim >= AMX_K2
-                      && amx_permitted();
+    const int tiles = panel_amx_min_rows > 0 && m_dim >= panel_amx_min_rows && k2_dim >= AMX_K2 && amx_permitted();
     const int64_t pad_rows = tiles ? (m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m_dim;
 #pragma omp parallel
     {
+        /* int8 panels go to the tiles as bf16, one panel at a time (without room: vdpbf16ps). */
+        char *as_bf16 = tiles && scale ? malloc(4 * PANEL * k2_dim) : NULL;
         rows_to_bf16(x, ldx, m_dim, pad_rows, k_dim, xb);
         if (tiles)
             amx_configure();
 #pragma omp for schedule(dynamic)
         for (int64_t p = 0; p < panels; p++) {
-            if (tiles && n - p * PANEL >= PANEL)
-                panel_amx(xb, w + p * panel_bytes, m_dim, n, k2_dim, p * PANEL, y);
-            else
-                panel_pairs(xb, w + p * panel_bytes, scale ? scale + p * PANEL : NULL, m_dim, n, k2_dim, p * PANEL,
-                            y);
+            const char *panel_w = w + p * panel_bytes;
+            const float *panel_scale = scale ? scale + p * groups * PANEL : NULL;
+            if (tiles && n - p * PANEL >= PANEL && (!scale || as_bf16)) {
+                if (scale)
+                    dequantize_panel(panel_w, panel_scale, k2_dim, as_bf16);
+                panel_amx(xb, scale ? as_bf16 : panel_w, m_dim, n, k2_dim, p * PANEL, y);
+            } else {
+                panel_pairs(xb, panel_w, panel_scale, m_dim, n, k2_dim, p * PANEL, y);
+            }
         }
         if (tiles)
             amx_release();
+        free(as_bf16);
     }
     return 0;
 }
@@ -323,8 +361,8 @@ int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_di
     return gemm_pairs(x, ldx, (const char *)w, NULL, m_dim, n, k_dim, y, xb);
 }
 
-/* The same for int8 panels, followed in the same buffer by the fp32 scale of every column
- * (N rounded up to 48): y[m, j] = scale[j] * sum_k bf16(x[m, k]) q[j, k]. */
+/* The same for int8 panels, followed in the same buffer by their fp32 scales [panels][groups][48]
+ * (a scale per column and 32 k): y[m, j] = sum_k bf16(x[m, k]) bf16(q[j, k] * scale[j, k / 32]). */
 int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
                   uint32_t *xb)
 {
