@@ -62,11 +62,20 @@ install_llamacpp() {
         rm -rf "$D/src" && mkdir -p "$D/src" && tar xzf "$sdist" -C "$D/src"
         cp -r "$D/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" "$LLAMA_SRC"
     fi
+    # GGML_NATIVE builds for this CPU only: a build made on another machine (another .peers
+    # copied here) can die with "Illegal instruction", so the build is keyed to the CPU.
+    local cpu
+    cpu=$(grep -m1 -E '^(model name|flags)' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo | md5sum)
+    if [ -x "$LLAMA_SERVER" ] && [ "$(cat "$LLAMA_SRC/build/cpu.txt" 2>/dev/null)" != "$cpu" ]; then
+        log "llama-server was built for another CPU: building it again"
+        rm -rf "$LLAMA_SRC/build"
+    fi
     if [ ! -x "$LLAMA_SERVER" ]; then
         log "building llama-server (about 7 min on 2 cores)"
         cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
             -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF >"$D/cmake.log"
         cmake --build "$LLAMA_SRC/build" -j2 --target llama-server >>"$D/cmake.log"
+        echo "$cpu" >"$LLAMA_SRC/build/cpu.txt"
     fi
     # f32 GGUF from our fp32 HF checkpoint, with the venv's torch/transformers, the converter's
     # own gguf-py (matches its llama.cpp) and sentencepiece, which it imports before it falls
