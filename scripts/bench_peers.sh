@@ -246,7 +246,8 @@ run() {
             bench_one "$peer" "$out/$peer"
             [ -f "$out/$peer/bench.json" ] && merged+=(--merge "$out/$peer/bench.json")
         done
-        "$PY" -m client.bench "${merged[@]}" --out "$out"
+        # A failed level exits 1 here: the next round still runs.
+        "$PY" -m client.bench "${merged[@]}" --out "$out" || log "round $round: a level failed (above)"
     done
     [ "$ROUNDS" -gt 1 ] && "$PY" -m client.bench --rounds "$OUT"/round-*/bench.json | tee "$OUT/rounds.txt"
     return 0
