@@ -64,16 +64,19 @@ install_llamacpp() {
     fi
     # GGML_NATIVE builds for this CPU only: a build made on another machine (another .peers
     # copied here) can die with "Illegal instruction", so the build is keyed to the CPU.
-    local cpu
-    cpu=$(grep -m1 -E '^(model name|flags)' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo | md5sum)
+    # Without AMX: llama.cpp 0.3.36's AMX Q8_0 kernel dies at its first tilezero (SIGILL, in
+    # an OpenMP worker) on the 2-vCPU Xeon this project runs on; its AVX-512 kernels run.
+    local cpu no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cpu=$(echo "$no_amx"; grep -m1 -E '^(model name|flags)' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo | md5sum)
     if [ -x "$LLAMA_SERVER" ] && [ "$(cat "$LLAMA_SRC/build/cpu.txt" 2>/dev/null)" != "$cpu" ]; then
-        log "llama-server was built for another CPU: building it again"
+        log "llama-server was built for another CPU or with other flags: building it again"
         rm -rf "$LLAMA_SRC/build"
     fi
     if [ ! -x "$LLAMA_SERVER" ]; then
         log "building llama-server (about 7 min on 2 cores)"
         cmake -S "$LLAMA_SRC" -B "$LLAMA_SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
-            -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF >"$D/cmake.log"
+            -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DCMAKE_C_FLAGS="$no_amx" \
+            -DCMAKE_CXX_FLAGS="$no_amx" >"$D/cmake.log"
         cmake --build "$LLAMA_SRC/build" -j2 --target llama-server >>"$D/cmake.log"
         echo "$cpu" >"$LLAMA_SRC/build/cpu.txt"
     fi
