@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import sysconfig
 import threading
 import time
 import urllib.request
+
+from tests.server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,12 +42,6 @@ def write_repository(path: str, settings: dict[str, str]) -> str:
     with open(config, "w") as f:
         f.write(text)
     return repo
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def stub_venv(stub_path: str, scratch: str) -> str:

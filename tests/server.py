@@ -108,6 +108,8 @@ class TritonServer:
         cmd = [TRITONSERVER, "--model-repository", self.repo_dir, "--grpc-port", str(self.grpc_port),
                "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
                "--exit-timeout-secs", "10"]
+        if getattr(self, "log", None):
+            self.log.close()  # a launch before it, on ports another process took
         self.log = open(self.log_path, "w")
         # Its own process group, so stop() can also reap Python backend stubs that
         # outlive a server which did not unload a model within its exit timeout.
