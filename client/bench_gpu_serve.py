@@ -56,17 +56,42 @@ def stub_venv(stub_path: str, scratch: str) -> str:
     shutil.copytree(stub_path, site, dirs_exist_ok=True)
     with open(os.path.join(site, "outer.pth"), "w") as f:
         f.write("\n".join([*outer_site_packages(), ROOT]) + "\n")
-    check_stub_imports(os.path.join(venv, "bin", "python"))
+    check_stub_imports(os.path.join(venv, "bin", "python"), site)
     return os.path.join(venv, "bin")
 
 
-def check_stub_imports(python: str) -> None:
+def check_stub_imports(python: str, site: str, tries: int = 6) -> list[str]:
     """What the model imports, imported by the stub's packages beforehand: transformers hides
-    the cause of a failed lazy import ("Could not import module 'AutoTokenizer'"), this shows it."""
+    the cause of a failed lazy import ("Could not import module 'AutoTokenizer'"), this shows it.
+    A package of the outer Python that fails to import under the stub's numpy (built for
+    numpy 2) is hidden from the stub (None in sys.modules: transformers then finds it absent),
+    one at a time; the hidden packages are returned."""
     probe = "import numpy, torch, transformers.models.auto.tokenization_auto, backends.engine"
-    done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the stub's packages cannot import the model: {done.stderr[-2500:]}")
+    hidden: list[str] = []
+    for _ in range(tries):
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        if done.returncode == 0:
+            return hidden
+        culprit = failing_package(done.stderr, outer_site_packages())
+        if culprit is None or culprit in ("numpy", "torch", "transformers", "backends") or culprit in hidden:
+            break
+        print(f"  stub: hiding {culprit} (it cannot be imported under the stub's numpy)", flush=True)
+        hidden.append(culprit)
+        with open(os.path.join(site, "hidden.pth"), "w") as f:
+            f.write(f"import sys; sys.modules.update(dict.fromkeys({hidden!r}))\n")
+    raise RuntimeError(f"the stub's packages cannot import the model (hidden: {hidden}): {done.stderr[-2500:]}")
+
+
+def failing_package(stderr: str, site_dirs: list[str]) -> str | None:
+    """The top-level package of the innermost traceback frame in `site_dirs` outside numpy."""
+    for path in reversed(re.findall(r'File "([^"]+)"', stderr)):
+        for site_dir in site_dirs:
+            if path.startswith(site_dir.rstrip("/") + "/"):
+                top = path[len(site_dir.rstrip("/")) + 1:].split("/")[0]
+                name = top.split(".")[0]
+                if name != "numpy":
+                    return name
+    return None
 
 
 def outer_site_packages() -> list[str]:

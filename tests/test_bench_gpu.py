@@ -43,3 +43,28 @@ def test_cpu_smoke_run_writes_the_report_and_serves(tmp_path):
     assert report["served"]["16x24"]["tokens"] == 16 * 6
     assert report["engine"][1]["served_over_engine"] > 0
     assert report["hardware"]["copy_bytes_s"] > 0 and "| 16 x 24 |" in proc.stdout
+
+
+
+def test_a_package_failing_under_the_stubs_numpy_is_hidden_from_the_stub(tmp_path, monkeypatch):
+    """The stub's environment: a package of the outer Python that raises on import (as one built
+    for numpy 2 does under the stub's numpy 1.26) is named from the probe's traceback and hidden
+    (a .pth the stub's Python runs); the next probe imports the model, the package absent."""
+    from client import bench_gpu_serve
+
+    outer, site = tmp_path / "outer", tmp_path / "site"
+    (outer / "brokenpkg").mkdir(parents=True)
+    site.mkdir()
+    (outer / "brokenpkg" / "__init__.py").write_text("import numpy\nraise ImportError('built for numpy 2')\n")
+    (site / "outer.pth").write_text(f"{outer}\n{ROOT}\n")
+    python = tmp_path / "python"  # a Python whose imports look for brokenpkg as transformers does
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import site, sys, importlib.util; "
+                      f"site.addsitedir('{site}'); importlib.util.find_spec('brokenpkg') and __import__('brokenpkg'); "
+                      f"exec(sys.argv[2])\" \"$@\"\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(bench_gpu_serve, "outer_site_packages", lambda: [str(outer)])
+    assert bench_gpu_serve.check_stub_imports(str(python), str(site)) == ["brokenpkg"]
+    (site / "hidden.pth").unlink()  # a failure inside torch: never hidden, the traceback raised
+    monkeypatch.setattr(bench_gpu_serve, "failing_package", lambda stderr, dirs: "torch")
+    with pytest.raises(RuntimeError, match="cannot import the model"):
+        bench_gpu_serve.check_stub_imports(str(python), str(site), tries=2)
