@@ -60,6 +60,10 @@ class EngineConfig:
                "requests and KV pool (num_pages and kv_memory_gb are per rank); attention runs per rank, "
                "the MLP is split across them. cpu: the ranks split cpu_cores, at most one rank per core; "
                "cuda: rank i on cuda:i. 1 = no DP"})
+    engine_process: str = field(default="auto", metadata={
+        "doc": "own = the engine runs in a process of its own and the model's Python stub only checks, tokenizes "
+               "and streams (the stub's response sends then share no interpreter lock with the engine's step); "
+               "stub = in the stub's process; auto = own on cuda, stub on cpu (docs/gpu.md)"})
     dllm_threshold: float = field(default=0.95, metadata={
         "doc": "block-diffusion models: a masked position is revealed when its confidence reaches this "
                "(0 < t <= 1; 1 reveals one position a step)"})
@@ -96,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"prefix_caching must be auto, on or off, got {self.prefix_caching!r}")
         if self.weights not in ("auto", "int8"):
             raise ValueError(f"weights must be auto or int8, got {self.weights!r}")
+        if self.engine_process not in ("auto", "own", "stub"):
+            raise ValueError(f"engine_process must be auto, own or stub, got {self.engine_process!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         parse_cores(self.cpu_cores)
@@ -114,8 +120,17 @@ class EngineConfig:
         if self.torch_device.type == "cuda" and self.dp_size > torch.cuda.device_count():
             raise ValueError(f"dp_size {self.dp_size} is more ranks than the {torch.cuda.device_count()} GPUs")
 
+    @property
+    def own_process(self) -> bool:
+        """Whether the engine runs in a process of its own (DP ranks always do)."""
+        if self.engine_process == "auto":
+            return self.torch_device.type == "cuda"
+        return self.engine_process == "own"
+
     def for_rank(self, rank: int) -> "EngineConfig":
         """One DP rank's engine: its share of the cores (cpu) or its own GPU (cuda)."""
+        if self.dp_size == 1:
+            return self
         if self.torch_device.type == "cuda":
             return self.replace(dp_size=1, device=f"cuda:{rank}")
         cores, n = self.cores, self.dp_size

@@ -1,9 +1,11 @@
-"""DP attention behind one Triton model instance (`dp_size` > 1; issue 26).
+"""Engines in processes of their own behind one Triton model instance: DP attention
+(`dp_size` > 1; issue 26), or one engine (`engine_process` own: the stub's Python then
+spends its interpreter lock on streaming alone, not on the engine's step too).
 
 The model instance's stub process holds no engine. It starts `dp_size` rank processes
 (`python -m backends.dp_group`), each an `Engine` with its own scheduler, requests and KV
 pool, joined in one gloo group (backends.dp: attention per rank, the MLP split across
-them, every rank in every step). The stub checks and tokenizes each request, sends it to a
+them, every rank in every step; a lone rank joins no group). The stub checks and tokenizes each request, sends it to a
 rank (`choose_rank`: where its prompt's prefix is likely cached, unless that rank has
 clearly more to compute than another), and relays the rank's outputs to the request's sink;
 an abort goes to the rank that holds the request.
@@ -105,6 +107,7 @@ class RankProcess:
 
     def __init__(self, rank: int, size: int, port: int, cfg: EngineConfig, disagg, group_cores: list[int]):
         self.rank = rank
+        self.name = f"DP rank {rank} of {size}" if size > 1 else "the engine process"
         to_rank_r, to_rank_w = os.pipe()
         from_rank_r, from_rank_w = os.pipe()
         cmd = [_python(), "-m", "backends.dp_group", str(rank), str(size), str(port), str(to_rank_r),
@@ -122,6 +125,7 @@ class RankProcess:
         self.prefixes = RankPrefixes()
         self.caches = cfg.caches_prefixes
         self.alive = True
+        self.identity: dict = {}     # what its engine answers a `describe` (from its ready message)
 
     def send(self, message) -> None:
         with self.send_lock:
@@ -129,11 +133,11 @@ class RankProcess:
 
     def wait_ready(self, timeout_s: float) -> str:
         if not self.recv_conn.poll(timeout_s):
-            raise RuntimeError(f"DP rank {self.rank} did not start within {timeout_s:.0f} s")
+            raise RuntimeError(f"{self.name} did not start within {timeout_s:.0f} s")
         try:
-            kind, stats, description = self.recv_conn.recv()
+            kind, stats, description, self.identity = self.recv_conn.recv()
         except EOFError:
-            raise RuntimeError(f"DP rank {self.rank} exited while loading (code {self.proc.wait()}); "
+            raise RuntimeError(f"{self.name} exited while loading (code {self.proc.wait()}); "
                                "its error is in the server log") from None
         self.stats = stats
         self.prefixes.capacity = stats["kv_pages_total"] if self.caches else 0
@@ -156,13 +160,11 @@ class RankProcess:
 class DpGroup:
     """The engine side of a DP model instance: what `EngineModel` calls on an `Engine`."""
 
-    def __init__(self, cfg: EngineConfig, disagg=None,
-                 before_relay: Callable[[], None] | None = None):
+    def __init__(self, cfg: EngineConfig, disagg=None):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model_path)
         self.model_cfg = ModelConfig.load(cfg.model_path)
         self.max_context = cfg.context_limit(self.model_cfg.max_position)
-        self.before_relay = before_relay   # the adapter's send drain (see SendPool)
         port = free_port()
         self.ranks = [RankProcess(r, cfg.dp_size, port, cfg.for_rank(r), disagg, cfg.cores)
                       for r in range(cfg.dp_size)]
@@ -211,7 +213,10 @@ class DpGroup:
         return req.id
 
     def identity(self) -> dict:
-        """A DP group's ranks each have an agent of their own: none to pair with (prefill runs dp_size 1)."""
+        """A lone engine's own; a DP group's ranks each have an agent of their own: none to pair with
+        (prefill runs dp_size 1)."""
+        if len(self.ranks) == 1:
+            return self.ranks[0].identity
         return {"role": self.cfg.role}
 
     def abort(self, request_id: str) -> None:
@@ -230,6 +235,8 @@ class DpGroup:
         return total
 
     def describe(self) -> str:
+        if len(self.ranks) == 1:
+            return f"in its own process (pid {self.ranks[0].proc.pid}): {self.descriptions[0]}"
         return f"DP attention, {len(self.ranks)} ranks: " + "; ".join(
             f"rank {r}: {d}" for r, d in enumerate(self.descriptions))
 
@@ -252,8 +259,6 @@ class DpGroup:
         conns = {rank.recv_conn: rank for rank in self.ranks}
         while conns:
             ready = wait(list(conns))
-            if self.before_relay is not None:
-                self.before_relay()  # the last batch's sends are out: a stream keeps its order
             for conn in ready:
                 if not self._take(conns[conn]):
                     del conns[conn]
@@ -290,7 +295,7 @@ class DpGroup:
         except subprocess.TimeoutExpired:  # its pipe closed but it hangs on: it cannot serve
             rank.proc.kill()
             code = rank.proc.wait()
-        self.failure = (f"DP rank {rank.rank} of {len(self.ranks)} exited (code {code}); this model stopped "
+        self.failure = (f"{rank.name} exited (code {code}); this model stopped "
                         "serving with it: reload the model")
         log.error("%s", self.failure)
         with self.lock:
@@ -317,9 +322,12 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
     cfg, disagg, group_cores = inbox.recv()
-    loop_group = join_group(rank, size, port, cfg.torch_device.type)
+    if size > 1:
+        loop_group = join_group(rank, size, port, cfg.torch_device.type)
     engine = Engine(cfg, disagg=disagg)
-    make_rank(engine, rank, size, loop_group, group_cores, on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
+    if size > 1:
+        make_rank(engine, rank, size, loop_group, group_cores,
+                  on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
     lock = threading.Lock()
 
     def send(message) -> None:
@@ -327,7 +335,7 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
             outbox.send(message)
 
     engine.start()
-    send(("ready", engine.stats(), engine.describe()))
+    send(("ready", engine.stats(), engine.describe(), engine.identity()))
     threading.Thread(target=_send_stats, args=(engine, send), daemon=True).start()
     to_stub = lambda out: send(("out", out))
     try:

@@ -177,9 +177,7 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                ran = self.scheduler.step()
-                if not ran and self.scheduler.before_process is not None:
-                    self.scheduler.before_process()
+                self.scheduler.step()
             except Exception:  # keep serving; the step already failed its own requests
                 log.exception("engine step failed")
 

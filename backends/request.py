@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from backends.detokenizer import IncrementalDetokenizer
@@ -120,6 +120,22 @@ class RequestOutput:
     # Where the request asked for logprobs: one entry per new token, as vLLM's Logprob dicts
     # ({token id: (logprob, rank, decoded token)}, the sampled token's included).
     logprobs: list[dict[int, tuple[float, int, str]]] | None = None
+
+
+def merged(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """A stream's outputs in order, each run of ones without an error joined into one (the
+    tokens and text of all, the counts and ending of the last)."""
+    joined: list[RequestOutput] = []
+    for out in outputs:
+        last = joined[-1] if joined else None
+        if last is None or last.error or out.error or last.finished:
+            joined.append(out)
+            continue
+        logprobs = None if last.logprobs is None and out.logprobs is None else \
+            [*(last.logprobs or ()), *(out.logprobs or ())]
+        joined[-1] = replace(out, text=last.text + out.text, token_ids=last.token_ids + out.token_ids,
+                             logprobs=logprobs)
+    return joined
 
 
 class Status(enum.Enum):

@@ -28,7 +28,6 @@ import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -81,10 +80,6 @@ class Scheduler:
         # Prefix cache: prompt tokens of admitted requests looked up, and found (vLLM's counters)
         self.caching = cfg.caches_prefixes
         self.prefix_queries = self.prefix_hits = 0
-        # Called after each forward, before its outputs go to the sinks (and when the loop
-        # idles): the Triton adapter waits there for the previous step's sends, so they overlap
-        # this step's forward yet a stream's responses keep their order.
-        self.before_process: Callable[[], None] | None = None
         # A block-diffusion model (backends.dllm): its block size, else 0.
         self.dllm_block, self.mask_id = runner.model.cfg.dllm_block_size, runner.model.cfg.mask_token_id
         self.last_dllm_mode = "prefill"
@@ -262,8 +257,6 @@ class Scheduler:
             return
         self._cache_written(step)
         self._free_deferred()
-        if self.before_process is not None:
-            self.before_process()
         self.process(step, tokens, logprobs, errors)
 
     def _forget(self, step: Step) -> None:

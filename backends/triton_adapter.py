@@ -17,15 +17,14 @@ import logging
 import signal
 import threading
 import queue
-from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
+from typing import Callable
 
 import numpy as np
 
 from backends.config import EngineConfig
 from backends.parameters import refuse_unknown
 from backends.engine import Engine, InvalidRequest, disagg_config
-from backends.request import RequestOutput
+from backends.request import RequestOutput, merged
 from backends.triton_io import control_room, is_describe, parse_request
 from backends.token_channel import PARAMETER as CHANNEL_PARAMETER
 from backends.token_channel import Writer, Writers
@@ -35,12 +34,9 @@ from backends.triton_stream import (PARENT_PARAMETER, LatencyMetrics, ResponseSt
 log = logging.getLogger("tandem.adapter")
 # A send waits 0.5 ms p50 for the server process to take the response, nearly all of it the
 # two processes waking each other (the stub's send threads and the server take ~0.2 ms of
-# CPU a send). A step's sends from 4 threads overlap those waits: at 16 streams step to
-# step went 30.8 / 29.1 -> 29.5 / 27.8 ms (two interleaved pairs; 2 and 4 threads alike,
-# 8 and 16 no better).
+# CPU a send); 4 threads overlap those waits (2 and 4 alike on a 2-core CPU, 8 and 16 no
+# better: docs/bench.md).
 SEND_THREADS = 4
-# How often a step's drain checks whether the send it waits for goes to a reader that died.
-ORPHAN_WAIT_S = 0.1
 
 
 def room_request_id(room: int) -> str:
@@ -73,7 +69,7 @@ class EngineModel(StreamingModel):
         self.channels = Writers()   # to the routers that asked for their tokens by channel
         self.engine = self.create_engine()
         self.engine.start()
-        # request id -> (its stream, the process reading it when the request came over BLS)
+        # request id -> (its stream, the process reading it when the request came over BLS, its outbox)
         self.streams: dict[str, tuple[ResponseStream, str | None]] = {}
         self.lock = threading.Lock()
         self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
@@ -82,12 +78,10 @@ class EngineModel(StreamingModel):
         log.info("engine ready: %s", self.engine.describe())
 
     def create_engine(self) -> Engine:
-        if self.cfg.dp_size > 1:  # ranks in processes of their own (DP attention)
+        if self.cfg.dp_size > 1 or self.cfg.own_process:  # in processes of their own (DP attention, or one)
             from backends.dp_group import DpGroup
-            return DpGroup(self.cfg, self.disagg, before_relay=self.sends.drain)
-        engine = Engine(self.cfg, disagg=self.disagg)
-        engine.scheduler.before_process = self.sends.drain
-        return engine
+            return DpGroup(self.cfg, self.disagg)
+        return Engine(self.cfg, disagg=self.disagg)
 
     def _start(self, request) -> None:
         sender = request.get_response_sender()
@@ -112,8 +106,9 @@ class EngineModel(StreamingModel):
             parent = parameters.get(PARENT_PARAMETER)
             stream = ResponseStream(self.pb, sender, req, wanted, self.engine.abort, self.latencies,
                                     self._channel(parent, parameters))
+            outbox = self._outbox(stream)
             engine_request = self.engine.make_request(
-                ids, req.params, self._sink(stream), room=req.room,
+                ids, req.params, outbox.put, room=req.room,
                 request_id=None if req.room is None else room_request_id(req.room), cache_salt=req.cache_salt,
                 prefill_agent=req.prefill_agent)
         except InvalidRequest as exc:
@@ -124,7 +119,7 @@ class EngineModel(StreamingModel):
             self._reject(sender, f"internal error: {exc}")
             return
         with self.lock:
-            self.streams[engine_request.id] = (stream, parent)
+            self.streams[engine_request.id] = (stream, parent, outbox)
         self.engine.submit(engine_request)
 
     def _describe(self, sender) -> None:
@@ -140,19 +135,19 @@ class EngineModel(StreamingModel):
             return None
         return self.channels.get(parent)
 
-    def _sink(self, stream: ResponseStream):
+    def _outbox(self, stream: ResponseStream) -> Outbox:
         def send(out: RequestOutput) -> None:
             stream(out)
             if out.finished:
                 with self.lock:
                     self.streams.pop(out.request_id, None)
-        return lambda out: self.sends.submit(send, out, stream=stream)
+        return Outbox(self.sends, send)
 
     def poll(self) -> None:
         with self.lock:
             streams = list(self.streams.items())
         alive: dict[str, bool] = {}  # one look in /proc per parent a poll
-        for request_id, (stream, parent) in streams:
+        for request_id, (stream, parent, outbox) in streams:
             if stream.orphaned:
                 continue  # aborted already; its end is on the way
             if parent is not None and parent not in alive:
@@ -160,6 +155,7 @@ class EngineModel(StreamingModel):
             if parent is not None and not alive[parent]:
                 log.warning("%s: the process that sent it over BLS is gone; aborting", request_id)
                 stream.orphan()
+                self.sends.unstick(outbox)
                 self.engine.abort(request_id)
             elif stream.cancelled():
                 self.engine.abort(request_id)
@@ -173,25 +169,23 @@ class EngineModel(StreamingModel):
 
 
 class SendPool:
-    """The responses of one engine step, sent from a few threads at once.
+    """Every stream's responses, sent from a few threads; the engine never waits for a send.
 
-    Sinks run on the engine thread, which submits here. The scheduler calls `drain` after
-    the next step's forward, before that step's outputs reach the sinks: a stream's
-    responses keep their order (one a step) and a step's sends run during the next forward
-    instead of the engine waiting for them (six interleaved pairs through tritonserver:
-    8 streams 292 -> 305 tok/s, 16 streams 389 -> 406, medians; TTFT p50 at 8 277 -> 242 ms).
-    Outputs handed out between a forward and its process (an abort's or a failed step's
-    final response) may overtake a stream's pending token; ResponseStream drops what comes
-    after its final response.
+    A stream has one send in flight at most: outputs that come meanwhile (the engine ran
+    ahead of Triton) wait in its `Outbox` and go out as one response carrying all their
+    tokens, as vLLM's AsyncLLM merges a request's outputs when its reader lags. A stream keeps
+    its order; a slow send costs that stream responses, not the batch its step time (the
+    previous shape waited after each forward for the last step's sends: 64 streams of an 8B
+    model on an H100 stepped 17.9 ms through tritonserver against 10.2 ms in-process).
+    Streams take turns: an outbox sends once, then queues again behind the others.
 
-    A send to a BLS parent that died never returns (Triton 2.51): drain stops waiting for
-    an orphaned stream's send and a new thread takes the stuck one's place. The threads are
-    daemons, so a stuck one does not hold the stub at exit."""
+    A send to a BLS parent that died never returns (Triton 2.51): when the watcher orphans a
+    stream whose send is in flight, a new thread takes the stuck one's place (`unstick`).
+    The threads are daemons, so a stuck one does not hold the stub at exit."""
 
     def __init__(self, threads: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [self._add_thread() for _ in range(threads)]
-        self.pending: list[tuple[Future, ResponseStream | None]] = []
 
     def _add_thread(self) -> threading.Thread:
         thread = threading.Thread(target=self._work, name="tandem-send", daemon=True)
@@ -199,39 +193,53 @@ class SendPool:
         return thread
 
     def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:
-                    future.set_exception(exc)
+        while (outbox := self.jobs.get()) is not None:
+            outbox.send_next()
 
-    def submit(self, fn, *args, stream: ResponseStream | None = None) -> None:
-        future = Future()
-        self.jobs.put((future, fn, args))
-        self.pending.append((future, stream))
-
-    def drain(self) -> None:
-        pending, self.pending = self.pending, []
-        for future, stream in pending:
-            self._wait(future, stream)
-            # a stream's own failures end that stream (ResponseStream.__call__)
-            if future.done() and (exc := future.exception()) is not None:
-                log.error("sending a response failed: %r", exc)
-
-    def _wait(self, future: Future, stream: ResponseStream | None) -> None:
-        while not futures_wait([future], timeout=ORPHAN_WAIT_S).done:
-            if stream is not None and stream.orphaned and future.running():
-                log.warning("a send is stuck (its BLS reader is gone); a new thread takes its place")
-                self.threads.append(self._add_thread())
-                return
+    def unstick(self, outbox: "Outbox") -> None:
+        if outbox.sending:
+            log.warning("a send is stuck (its BLS reader is gone); a new thread takes its place")
+            self.threads.append(self._add_thread())
 
     def close(self) -> None:
         for _ in self.threads:
             self.jobs.put(None)
         for thread in self.threads:
             thread.join(timeout=1)
+
+
+class Outbox:
+    """One stream's outputs on their way out: `put` from the engine thread, sent by the pool."""
+
+    def __init__(self, pool: SendPool, send: Callable[[RequestOutput], None]):
+        self.pool, self.send = pool, send
+        self.lock = threading.Lock()
+        self.waiting: list[RequestOutput] = []
+        self.queued = False    # in the pool's queue or being sent
+        self.sending = False   # a send of this stream is running now
+
+    def put(self, out: RequestOutput) -> None:
+        with self.lock:
+            self.waiting.append(out)
+            if self.queued:
+                return
+            self.queued = True
+        self.pool.jobs.put(self)
+
+    def send_next(self) -> None:
+        with self.lock:
+            outs, self.waiting = merged(self.waiting), []
+            self.sending = True
+        try:
+            for out in outs:
+                self.send(out)  # a stream's own failures end that stream (ResponseStream.__call__)
+        except Exception:
+            log.exception("sending a response failed")
+        with self.lock:
+            self.sending = False
+            self.queued = bool(self.waiting)
+        if self.queued:
+            self.pool.jobs.put(self)
 
 
 class EngineMetrics:
@@ -248,7 +256,8 @@ class EngineMetrics:
         "transfer_failures": "requests whose KV hand-off failed",
         "transferring": "requests waiting for their KV (decode)",
         "quarantined_pages": "KV pages held until the prefill side confirms no write is in flight (decode)",
-        "dp_ranks_alive": "DP attention ranks running (dp_size > 1); fewer than dp_size: the model stopped serving",
+        "dp_ranks_alive": "engine processes running (DP ranks, or the one of engine_process own); fewer than "
+                          "started: the model stopped serving",
     }
     COUNTERS = {  # vLLM's prefix cache counters (in tokens), and decode's reused KV (bytes)
         "prefix_cache_queries": "prompt tokens looked up in the prefix cache",

@@ -243,13 +243,24 @@ def serve(args, cfg, hf, tokenizer, report: dict) -> None:
     levels = [level for level in args.levels if level[0] >= 16]
     settings = {name: str(getattr(cfg, name)) for name in ("max_running_requests", "num_pages", "max_context",
                                                            "overlap")}
-    served = serve_levels(args.serve, checkpoint, settings, make_prompts(levels, report["config"]["vocab_size"]),
+    prompts = make_prompts(levels, report["config"]["vocab_size"])
+    for extra in args.serve_sets[1:]:  # the others first: the table's run is the last the machine ran
+        name = extra.replace("=", "-").replace(",", "_")
+        report.setdefault("served_sets", {})[extra] = serve_levels(
+            args.serve, checkpoint, {**settings, **parse_sets(extra)}, prompts, args.output_tokens, args.out,
+            args.stub_path, name)
+    served = serve_levels(args.serve, checkpoint, {**settings, **parse_sets(args.serve_sets[0])}, prompts,
                           args.output_tokens, args.out, args.stub_path)
     for row in report["engine"]:
         got = served.get(f"{row['streams']}x{row['prompt_tokens']}")
         if got:
             row["served"], row["served_over_engine"] = got, got["tok_s"] / row["tok_s"]
     report["served"] = served
+
+
+def parse_sets(text: str) -> dict[str, str]:
+    """"name=value,name=value" -> {name: value}"""
+    return dict(item.split("=", 1) for item in text.split(",") if item)
 
 
 def peer_levels(args, hf, config, rows) -> None:
@@ -288,6 +299,11 @@ def table(report: dict) -> str:
         lines.append(f"\nvariant {name}: " + "; ".join(
             f"{r['streams']} x {r['prompt_tokens']}: {r['tok_s']:.0f} tok/s, ITL {r['itl_p50_ms']:.2f} ms, "
             f"graph {fmt(r['graph_ms'])} ms" for r in rows))
+    engine = {f"{r['streams']}x{r['prompt_tokens']}": r["tok_s"] for r in report["engine"]}
+    for name, served in report.get("served_sets", {}).items():
+        lines.append(f"\ntritonserver with {name}: " + ("failed: " + served["error"] if "error" in served else "; ".join(
+            f"{level}: {row['tok_s']:.0f} tok/s ({row['tok_s'] / engine[level]:.2f} of the engine), ITL "
+            f"{row['itl_p50_ms']:.2f} ms" for level, row in served.items() if level in engine)))
     if "error" in report.get("served", {}):
         lines.append(f"\ntritonserver failed: {report['served']['error']}")
     return "\n".join(lines)
@@ -321,6 +337,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap, torch-ops")
     p.add_argument("--serve", default=None, metavar="TRITONSERVER_DIR",
                    help="also serve the model with this tritonserver tree (scripts/gpu_serve_prepare.sh)")
+    p.add_argument("--serve-sets", nargs="+", default=[""], metavar="NAME=VALUE,...",
+                   help="llm's config.pbtxt settings for each tritonserver run, e.g. engine_process=own "
+                        "engine_process=stub; the table shows the first, the JSON every one")
     p.add_argument("--stub-path", default="", help="packages the server's Python stub takes first (its numpy < 2), through a virtual environment")
     p.add_argument("--scratch", default=None, help="where the checkpoint is written (default: the temp dir)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")

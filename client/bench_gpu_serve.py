@@ -83,8 +83,10 @@ def check_stub_imports(python: str, site: str, tries: int = 6) -> list[str]:
 
 
 def failing_package(stderr: str, site_dirs: list[str]) -> str | None:
-    """The top-level package of the innermost traceback frame in `site_dirs` outside numpy."""
-    for path in reversed(re.findall(r'File "([^"]+)"', stderr)):
+    """The top-level package of the innermost frame in `site_dirs` outside numpy, in the first
+    traceback printed (the root cause of a chain: transformers re-raises it as its own)."""
+    root_cause = re.split(r"\n(?:The above exception|During handling of the above exception)", stderr)[0]
+    for path in reversed(re.findall(r'File "([^"]+)"', root_cause)):
         for site_dir in site_dirs:
             if path.startswith(site_dir.rstrip("/") + "/"):
                 top = path[len(site_dir.rstrip("/")) + 1:].split("/")[0]
@@ -182,11 +184,13 @@ def run_level(port: int, prompts: list[list[int]], output_tokens: int) -> dict:
 
 
 def serve_levels(server_dir: str, checkpoint: str, settings: dict[str, str], levels: dict, output_tokens: int,
-                 out: str, stub_path: str = "") -> dict:
+                 out: str, stub_path: str = "", name: str = "") -> dict:
     """{"STREAMSxPROMPT": figures} through tritonserver (levels: {(streams, prompt): prompts}),
-    or {"error": ...} with the server log's tail."""
-    log_path = os.path.join(out, "tritonserver.log")
-    repo = write_repository(os.path.dirname(checkpoint), {"model_path": checkpoint, **settings})
+    or {"error": ...} with the server log's tail. name: this run's, for its log and repository."""
+    log_path = os.path.join(out, f"tritonserver{'-' + name if name else ''}.log")
+    scratch = os.path.join(os.path.dirname(checkpoint), name or "served")
+    os.makedirs(scratch, exist_ok=True)
+    repo = write_repository(scratch, {"model_path": checkpoint, **settings})
     server, port = None, free_port()
     try:
         server = start_server(server_dir, repo, log_path, stub_path, port)

@@ -366,3 +366,45 @@ def test_a_rank_killed_under_tritonserver(default_model, tmp_path):
         assert rank_pids(server) == []
         refused = stream_generate(url, "llm", "Hello", max_tokens=4)
         assert refused.error and "DP rank 1 of 2 exited" in refused.error
+
+
+# ---- one engine in a process of its own (engine_process own) ------------------------------
+@pytest.mark.server
+def test_every_role_with_its_engine_in_its_own_process_equals_transformers(default_model, tmp_path):
+    """`llm`, and `router` -> `prefill` + `decode`, each engine in a process of its own beside
+    its stub: transformers' greedy ids streamed, prefill's NIXL agent named by its describe
+    (the router pairs with it), every pool whole after."""
+    from tests.server import TritonServer
+    from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
+    parameters = disagg_parameters(free_port())
+    for model in ("llm", "prefill", "decode"):
+        parameters[model] = {**parameters[model], "engine_process": "own"}
+    server = TritonServer(str(tmp_path), models=["llm", "prefill", "decode", "router"], parameters=parameters)
+    with server:
+        assert_llm_and_router_equal_transformers(server)
+        assert open(server.log_path).read().count("engine ready: in its own process") == 3
+
+
+@pytest.mark.server
+def test_a_killed_engine_process_under_tritonserver(default_model, tmp_path):
+    """`llm` with engine_process own, its engine SIGKILLed mid-stream: the stream ends with an
+    error naming the engine process, the gauge drops to 0, a new request is refused with it."""
+    import signal
+    import threading
+    from client.stream import stream_generate
+    from tests.server import TritonServer
+    server = TritonServer(str(tmp_path), models=["llm"], parameters={"llm": {"engine_process": "own"}})
+    with server:
+        url, result = server.grpc_url, {}
+        run = threading.Thread(target=lambda: result.update(r=stream_generate(
+            url, "llm", "Tell a long story.", max_tokens=1500, min_tokens=np.array([1500], dtype=np.int32))))
+        run.start()
+        assert wait_until(lambda: server.metrics()['tandem_running{model="llm"}'] == 1, 60)
+        assert server.metrics()['tandem_dp_ranks_alive{model="llm"}'] == 1
+        os.kill(rank_pids(server)[0], signal.SIGKILL)
+        run.join(60)
+        assert result["r"].error and "the engine process exited (code -9)" in result["r"].error, result["r"].error
+        assert 0 < len(result["r"].token_ids) < 1500
+        assert wait_until(lambda: server.metrics()['tandem_dp_ranks_alive{model="llm"}'] == 0)
+        refused = stream_generate(url, "llm", "Hello", max_tokens=4)
+        assert refused.error and "the engine process exited" in refused.error

@@ -102,51 +102,89 @@ def test_engine_gauges_set_only_when_changed():
     assert sets[4:] == [("tandem_running", 1.0)]
 
 
-def test_send_pool_overlaps_a_steps_sends_and_drain_waits_for_them():
-    """Two sends that each wait for the other finish only if they run at once; drain returns
-    after both, and a failed send is logged, not raised into every later step."""
+def wait_for(condition, timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_an_outbox_merges_what_comes_while_its_send_is_in_flight_and_keeps_the_order():
+    """The engine never waits for a send: outputs put while the stream's send is blocked go out
+    next, joined into one response (tokens and text in order, the last one's counts and end);
+    an error stays a response of its own, after them."""
     import threading
-    import time
 
-    from backends.triton_adapter import SendPool
+    from backends.request import RequestOutput
+    from backends.triton_adapter import Outbox, SendPool
 
-    pool, both, done = SendPool(4), threading.Barrier(2, timeout=5), []
+    pool, release, sent, first_in = SendPool(4), threading.Event(), [], threading.Event()
 
-    def send(name):
-        both.wait()
-        time.sleep(0.05)
-        done.append(name)
+    def send(out):
+        first_in.set()
+        release.wait(5)
+        sent.append(out)
 
-    pool.submit(send, "a")
-    pool.submit(send, "b")
-    pool.drain()
-    assert sorted(done) == ["a", "b"] and pool.pending == []
-    pool.submit(lambda: 1 / 0)
-    pool.drain()
-    pool.submit(done.append, "c")
-    pool.drain()
-    assert done[-1] == "c" and pool.pending == []
+    outbox = Outbox(pool, send)
+    outbox.put(RequestOutput("r", "a", [1], num_output_tokens=1))
+    assert first_in.wait(5)
+    for k, (text, token) in enumerate([("b", 2), ("c", 3)], start=2):
+        outbox.put(RequestOutput("r", text, [token], num_output_tokens=k, logprobs=[{token: (-0.5, 1, text)}]))
+    outbox.put(RequestOutput("r", "", [], finished=True, finish_reason="error", error="boom", num_output_tokens=3))
+    release.set()
+    wait_for(lambda: len(sent) == 3 and not outbox.queued)
+    assert [(o.text, o.token_ids, o.num_output_tokens, o.error) for o in sent] == [
+        ("a", [1], 1, None), ("bc", [2, 3], 3, None), ("", [], 3, "boom")]
+    assert [list(e) for e in sent[1].logprobs] == [[2], [3]]
     pool.close()
 
 
-def test_send_pool_stops_waiting_for_a_send_to_an_orphaned_stream():
-    """A send whose BLS reader died never returns: once its stream is orphaned, drain
-    returns and a new thread serves the later sends (the stuck one is left behind)."""
+def test_streams_take_turns_on_the_send_threads():
+    """One thread, two streams that keep producing: a stream sends once, then waits its turn."""
     import threading
 
-    from backends.triton_adapter import SendPool
+    from backends.request import RequestOutput
+    from backends.triton_adapter import Outbox, SendPool
 
-    class Stream:
-        orphaned = False
+    pool, order, gate = SendPool(1), [], threading.Semaphore(0)
 
-    pool, never, done, stream = SendPool(1), threading.Event(), [], Stream()
-    pool.submit(never.wait, stream=stream)
-    threading.Timer(0.3, lambda: setattr(stream, "orphaned", True)).start()
-    pool.drain()  # returns only because the stream was orphaned
-    assert stream.orphaned and not never.is_set()
-    pool.submit(done.append, "next")
-    pool.drain()
-    assert done == ["next"] and len(pool.threads) == 2
+    def sender(name):
+        def send(out):
+            gate.acquire(timeout=5)
+            order.append((name, out.text))
+        return send
+
+    a, b = Outbox(pool, sender("a")), Outbox(pool, sender("b"))
+    a.put(RequestOutput("a", "1"))
+    wait_for(lambda: a.sending)
+    b.put(RequestOutput("b", "1"))
+    a.put(RequestOutput("a", "2"))
+    b.put(RequestOutput("b", "2"))
+    for _ in range(3):
+        gate.release()
+    wait_for(lambda: len(order) == 3)
+    assert order == [("a", "1"), ("b", "12"), ("a", "2")]  # b's turn before a's second
+    pool.close()
+
+
+def test_a_send_stuck_on_an_orphaned_stream_gets_a_new_thread_beside_it():
+    """A send whose BLS reader died never returns: unstick adds a thread, and the other streams
+    are sent (the stuck one is left behind); an outbox not sending adds none."""
+    import threading
+
+    from backends.request import RequestOutput
+    from backends.triton_adapter import Outbox, SendPool
+
+    pool, never, done = SendPool(1), threading.Event(), []
+    stuck = Outbox(pool, lambda out: never.wait())
+    stuck.put(RequestOutput("s", "x"))
+    wait_for(lambda: stuck.sending)
+    pool.unstick(stuck)
+    other = Outbox(pool, done.append)
+    other.put(RequestOutput("o", "y"))
+    wait_for(lambda: len(done) == 1)
+    pool.unstick(other)
+    assert len(pool.threads) == 2 and not never.is_set()
     never.set()
     pool.close()
 
