@@ -268,8 +268,9 @@ class DpGroup:
         try:
             while rank.recv_conn.poll():
                 kind, payload = rank.recv_conn.recv()
-                if kind == "out":
-                    self._deliver(payload)
+                if kind == "outs":
+                    for out in payload:
+                        self._deliver(out)
                 else:
                     rank.stats = payload
             return True
@@ -337,7 +338,7 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     engine.start()
     send(("ready", engine.stats(), engine.describe(), engine.identity()))
     threading.Thread(target=_send_stats, args=(engine, send), daemon=True).start()
-    to_stub = lambda out: send(("out", out))
+    to_stub = OutputBatches(send).put
     try:
         while True:
             message = inbox.recv()
@@ -347,7 +348,7 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
                     engine.generate(prompt_ids, params, to_stub, request_id=request_id, room=room, cache_salt=salt,
                                     prefill_agent=agent)
                 except InvalidRequest as exc:  # checked by the stub already; a model mismatch lands here
-                    send(("out", DpGroup._error(request_id, str(exc))))
+                    to_stub(DpGroup._error(request_id, str(exc)))
             elif message[0] == "abort":
                 engine.abort(message[1])
             else:
@@ -355,6 +356,34 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     except EOFError:
         _exit("the stub is gone", 0)
     _exit("stopped", 0)
+
+
+class OutputBatches:
+    """A rank's outputs to the stub, sent by a thread of their own as one message for all that
+    came since the last: the engine thread only appends. One pickled message an output cost
+    the engine thread 9-11 us (20,000 RequestOutputs through a pipe, dev CPU), one a batch of
+    64 about 3 us an output, and the stub unpickles once a batch."""
+
+    def __init__(self, send: Callable[[tuple], None]):
+        self.send = send
+        self.pending: list[RequestOutput] = []
+        self.ready = threading.Condition()
+        threading.Thread(target=self._run, name="tandem-rank-out", daemon=True).start()
+
+    def put(self, out: RequestOutput) -> None:
+        with self.ready:
+            self.pending.append(out)
+            self.ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                self.ready.wait_for(lambda: self.pending)
+                batch, self.pending = self.pending, []
+            try:
+                self.send(("outs", batch))
+            except OSError:
+                return  # the stub is gone; the main loop exits on its end of file
 
 
 def _exit(why: str, code: int) -> None:

@@ -408,3 +408,26 @@ def test_a_killed_engine_process_under_tritonserver(default_model, tmp_path):
         assert wait_until(lambda: server.metrics()['tandem_dp_ranks_alive{model="llm"}'] == 0)
         refused = stream_generate(url, "llm", "Hello", max_tokens=4)
         assert refused.error and "the engine process exited" in refused.error
+
+
+def test_a_ranks_outputs_go_to_the_stub_in_order_batched_while_a_send_is_under_way():
+    """The engine thread only appends: what it puts while a message is being sent goes in the
+    next message, all of it, in order."""
+    import threading
+    from backends.dp_group import OutputBatches
+    from backends.request import RequestOutput
+    sent, first_in, release = [], threading.Event(), threading.Event()
+
+    def send(message):
+        first_in.set()
+        release.wait(5)
+        sent.append(message)
+
+    batches = OutputBatches(send)
+    batches.put(RequestOutput("a", "1"))
+    assert first_in.wait(5)
+    for text in "234":
+        batches.put(RequestOutput("a", text))
+    release.set()
+    assert wait_until(lambda: sum(len(m[1]) for m in sent) == 4, 5)
+    assert [(kind, [o.text for o in outs]) for kind, outs in sent] == [("outs", ["1"]), ("outs", ["2", "3", "4"])]
