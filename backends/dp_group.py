@@ -5,10 +5,10 @@ spends its interpreter lock on streaming alone, not on the engine's step too).
 The model instance's stub process holds no engine. It starts `dp_size` rank processes
 (`python -m backends.dp_group`), each an `Engine` with its own scheduler, requests and KV
 pool, joined in one gloo group (backends.dp: attention per rank, the MLP split across
-them, every rank in every step; a lone rank joins no group). The stub checks and tokenizes each request, sends it to a
-rank (`choose_rank`: where its prompt's prefix is likely cached, unless that rank has
-clearly more to compute than another), and relays the rank's outputs to the request's sink;
-an abort goes to the rank that holds the request.
+them, every rank in every step; a lone rank joins no group). The stub checks and tokenizes
+each request, sends it to a rank (`choose_rank`: where its prompt's prefix is likely
+cached, unless that rank has clearly more to compute than another), and relays the rank's
+outputs to the request's sink; an abort goes to the rank that holds the request.
 
 Each rank talks to the stub over two pipes (pickled messages, multiprocessing.connection):
 no port, and a rank's death is an end of file at once. A rank that dies takes the group

@@ -70,7 +70,7 @@ class EngineModel(StreamingModel):
         self.engine = self.create_engine()
         self.engine.start()
         # request id -> (its stream, the process reading it when the request came over BLS, its outbox)
-        self.streams: dict[str, tuple[ResponseStream, str | None]] = {}
+        self.streams: dict[str, tuple[ResponseStream, str | None, Outbox]] = {}
         self.lock = threading.Lock()
         self.metrics = EngineMetrics(self.pb, args.get("model_name", "llm"), self.engine.stats())
         self.latencies = LatencyMetrics(self.pb, args.get("model_name", "llm"))
