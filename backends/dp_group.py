@@ -165,7 +165,7 @@ class DpGroup:
         self.tokenizer = load_tokenizer(cfg.model_path)
         self.model_cfg = ModelConfig.load(cfg.model_path)
         self.max_context = cfg.context_limit(self.model_cfg.max_position)
-        port = free_port()
+        port = free_port() if cfg.dp_size > 1 else 0   # a lone engine joins no group
         self.ranks = [RankProcess(r, cfg.dp_size, port, cfg.for_rank(r), disagg, cfg.cores)
                       for r in range(cfg.dp_size)]
         self.requests: dict[str, tuple[Request, RankProcess, int]] = {}   # id -> (request, rank, its load)
@@ -323,10 +323,9 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
     cfg, disagg, group_cores = inbox.recv()
-    if size > 1:
-        loop_group = join_group(rank, size, port, cfg.torch_device.type)
+    loop_group = join_group(rank, size, port, cfg.torch_device.type) if size > 1 else None
     engine = Engine(cfg, disagg=disagg)
-    if size > 1:
+    if loop_group is not None:
         make_rank(engine, rank, size, loop_group, group_cores,
                   on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
     lock = threading.Lock()

@@ -82,6 +82,7 @@ class TritonServer:
         self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = os.path.join(repo_dir, "tritonserver.log")
         self.proc: subprocess.Popen | None = None
+        self.log = None   # the server's output, reopened by each launch
 
     @property
     def grpc_url(self) -> str:
@@ -108,7 +109,7 @@ class TritonServer:
         cmd = [TRITONSERVER, "--model-repository", self.repo_dir, "--grpc-port", str(self.grpc_port),
                "--http-port", str(self.http_port), "--metrics-port", str(self.metrics_port),
                "--exit-timeout-secs", "10"]
-        if getattr(self, "log", None):
+        if self.log is not None:
             self.log.close()  # a launch before it, on ports another process took
         self.log = open(self.log_path, "w")
         # Its own process group, so stop() can also reap Python backend stubs that
