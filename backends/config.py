@@ -64,6 +64,10 @@ class EngineConfig:
         "doc": "own = the engine runs in a process of its own and the model's Python stub only checks, tokenizes "
                "and streams (the stub's response sends then share no interpreter lock with the engine's step); "
                "stub = in the stub's process; auto = own on cuda, stub on cpu (docs/gpu.md)"})
+    stream_backlog: int = field(default=8, metadata={
+        "doc": "outputs of one stream that may wait behind its send to Triton, each sent as a response of its own; "
+               "when more wait (the server lags behind the engine), they go out as one response carrying all their "
+               "tokens, as vLLM's AsyncLLM merges a lagging reader's outputs; 0 = merge whatever waits"})
     dllm_threshold: float = field(default=0.95, metadata={
         "doc": "block-diffusion models: a masked position is revealed when its confidence reaches this "
                "(0 < t <= 1; 1 reveals one position a step)"})
@@ -108,6 +112,8 @@ class EngineConfig:
         self._check_dp_size()
         if self.num_pages < 0 or self.threads < 0 or self.max_context < 0 or self.max_batch_tokens < 0:
             raise ValueError("num_pages, threads, max_context and max_batch_tokens must be >= 0")
+        if self.stream_backlog < 0:
+            raise ValueError(f"stream_backlog must be >= 0, got {self.stream_backlog}")
 
     def _check_dp_size(self) -> None:
         if self.dp_size < 1:

@@ -1,8 +1,8 @@
 """The thin Triton adapter every engine model.py uses.
 
     execute(requests):  parse tensors -> engine.generate(sink=ResponseStream)
-    engine thread:      RequestOutput -> ResponseStream -> send pool -> response_sender.send,
-                        all of a step's sends done before the next step
+    engine thread:      RequestOutput -> the stream's Outbox (never waits)
+    send threads:       Outbox -> ResponseStream -> response_sender.send, each stream in order
     watcher thread:     client cancelled -> engine.abort (frees its KV)
 
 `pb` is the `triton_python_backend_utils` module, passed in by model.py so this
@@ -141,7 +141,7 @@ class EngineModel(StreamingModel):
             if out.finished:
                 with self.lock:
                     self.streams.pop(out.request_id, None)
-        return Outbox(self.sends, send)
+        return Outbox(self.sends, send, self.cfg.stream_backlog)
 
     def poll(self) -> None:
         with self.lock:
@@ -172,9 +172,11 @@ class SendPool:
     """Every stream's responses, sent from a few threads; the engine never waits for a send.
 
     A stream has one send in flight at most: outputs that come meanwhile (the engine ran
-    ahead of Triton) wait in its `Outbox` and go out as one response carrying all their
-    tokens, as vLLM's AsyncLLM merges a request's outputs when its reader lags. A stream keeps
-    its order; a slow send costs that stream responses, not the batch its step time (the
+    ahead of Triton) wait in its `Outbox`, each to be a response of its own, as Triton's
+    TensorRT-LLM backend streams; when more than `backlog` wait, they go out as one response
+    carrying all their tokens, as vLLM's AsyncLLM merges a request's outputs when its reader
+    lags (a lagging stream catches up, and a load tool still sees a response per token
+    whenever the server keeps up). A stream keeps its order; a slow send costs that stream responses, not the batch its step time (the
     previous shape waited after each forward for the last step's sends: 64 streams of an 8B
     model on an H100 stepped 17.9 ms through tritonserver against 10.2 ms in-process).
     Streams take turns: an outbox sends once, then queues again behind the others.
@@ -211,8 +213,8 @@ class SendPool:
 class Outbox:
     """One stream's outputs on their way out: `put` from the engine thread, sent by the pool."""
 
-    def __init__(self, pool: SendPool, send: Callable[[RequestOutput], None]):
-        self.pool, self.send = pool, send
+    def __init__(self, pool: SendPool, send: Callable[[RequestOutput], None], backlog: int):
+        self.pool, self.send, self.backlog = pool, send, backlog
         self.lock = threading.Lock()
         self.waiting: list[RequestOutput] = []
         self.queued = False    # in the pool's queue or being sent
@@ -228,7 +230,10 @@ class Outbox:
 
     def send_next(self) -> None:
         with self.lock:
-            outs, self.waiting = merged(self.waiting), []
+            if len(self.waiting) > self.backlog:
+                outs, self.waiting = merged(self.waiting), []
+            else:
+                outs, self.waiting = self.waiting[:1], self.waiting[1:]
             self.sending = True
         try:
             for out in outs:

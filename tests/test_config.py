@@ -79,6 +79,8 @@ def test_bad_parameter_values_name_the_parameter():
         EngineConfig.from_params({"page_size": "sixteen"})
     with pytest.raises(ValueError, match="parameter 'kv_memory_gb' must be a float"):
         EngineConfig.from_params({"kv_memory_gb": "lots"})
+    with pytest.raises(ValueError, match="stream_backlog must be >= 0, got -1"):
+        EngineConfig.from_params({"stream_backlog": "-1"})
 
 
 @pytest.mark.server

@@ -11,6 +11,10 @@ from tests.server import ROOT
 pytestmark = pytest.mark.server
 BIN = os.path.join(ROOT, ".venv", "bin")
 TOKENS = 8
+# perf_analyzer 2.51 records an output that a response lacks from memory it never wrote; a float
+# that reads as NaN stops its JSON writer and the export is left empty or cut at a 64 KiB flush.
+# These flags put every float output (the logprob ones) in every response.
+FLOAT_OUTPUT_FLAGS = ("return_log_probs", "return_cumulative_logprob")
 
 
 def server_counts(export_path: str) -> list[int]:
@@ -29,7 +33,7 @@ def server_counts(export_path: str) -> list[int]:
 
 def test_perf_analyzer_streaming(llm_server, tmp_path):
     data = {"data": [{"text_input": ["Write about the sea."], "max_tokens": [TOKENS], "min_tokens": [TOKENS],
-                      "stream": [True]}]}
+                      "stream": [True], **{flag: [True] for flag in FLOAT_OUTPUT_FLAGS}}]}
     (tmp_path / "in.json").write_text(json.dumps(data))
     export = tmp_path / "pa.json"
     out = subprocess.run([os.path.join(BIN, "perf_analyzer"), "-m", "llm", "-i", "grpc", "-u", llm_server.grpc_url,
@@ -38,6 +42,7 @@ def test_perf_analyzer_streaming(llm_server, tmp_path):
                           "-s", "1000", "--max-trials", "3", "--profile-export-file", str(export)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert export.stat().st_size > 0, "perf_analyzer wrote an empty export:\n" + out.stdout + out.stderr
     counts = server_counts(str(export))
     assert counts and all(c == TOKENS for c in counts)
     with open(export) as f:
@@ -51,7 +56,8 @@ def test_genai_perf(llm_server, default_model, tmp_path, backend):
                           "--streaming", "-u", llm_server.grpc_url, "--tokenizer", default_model,
                           "--synthetic-input-tokens-mean", "16", "--output-tokens-mean", str(TOKENS),
                           "--output-tokens-mean-deterministic", "--concurrency", "2", "--request-count", "4",
-                          "--warmup-request-count", "0", "--artifact-dir", str(tmp_path)],
+                          "--warmup-request-count", "0", "--artifact-dir", str(tmp_path),
+                          *[arg for flag in FLOAT_OUTPUT_FLAGS for arg in ("--extra-inputs", f"{flag}:true")]],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "PATH": BIN + os.pathsep + os.environ["PATH"]})  # it runs perf_analyzer
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -109,13 +109,10 @@ def wait_for(condition, timeout_s: float = 5) -> None:
         time.sleep(0.005)
 
 
-def test_an_outbox_merges_what_comes_while_its_send_is_in_flight_and_keeps_the_order():
-    """The engine never waits for a send: outputs put while the stream's send is blocked go out
-    next, joined into one response (tokens and text in order, the last one's counts and end);
-    an error stays a response of its own, after them."""
+def blocked_outbox(backlog: int):
+    """An outbox whose first send blocks until released; what it sent, in order."""
     import threading
 
-    from backends.request import RequestOutput
     from backends.triton_adapter import Outbox, SendPool
 
     pool, release, sent, first_in = SendPool(4), threading.Event(), [], threading.Event()
@@ -125,7 +122,16 @@ def test_an_outbox_merges_what_comes_while_its_send_is_in_flight_and_keeps_the_o
         release.wait(5)
         sent.append(out)
 
-    outbox = Outbox(pool, send)
+    return pool, Outbox(pool, send, backlog), release, first_in, sent
+
+
+def test_an_outbox_merges_a_backlog_past_its_bound_and_keeps_the_order():
+    """The engine never waits for a send: when more outputs than the backlog wait behind the
+    stream's blocked send, they go out next as one response (tokens and text in order, the
+    last one's counts and end); an error stays a response of its own, after them."""
+    from backends.request import RequestOutput
+
+    pool, outbox, release, first_in, sent = blocked_outbox(backlog=1)
     outbox.put(RequestOutput("r", "a", [1], num_output_tokens=1))
     assert first_in.wait(5)
     for k, (text, token) in enumerate([("b", 2), ("c", 3)], start=2):
@@ -136,6 +142,22 @@ def test_an_outbox_merges_what_comes_while_its_send_is_in_flight_and_keeps_the_o
     assert [(o.text, o.token_ids, o.num_output_tokens, o.error) for o in sent] == [
         ("a", [1], 1, None), ("bc", [2, 3], 3, None), ("", [], 3, "boom")]
     assert [list(e) for e in sent[1].logprobs] == [[2], [3]]
+    pool.close()
+
+
+def test_an_outbox_sends_a_backlog_within_its_bound_one_response_per_output():
+    """As many outputs as the backlog waiting behind a blocked send: each its own response."""
+    from backends.request import RequestOutput
+
+    pool, outbox, release, first_in, sent = blocked_outbox(backlog=3)
+    outbox.put(RequestOutput("r", "a", [1], num_output_tokens=1))
+    assert first_in.wait(5)
+    for k, (text, token) in enumerate([("b", 2), ("c", 3), ("d", 4)], start=2):
+        outbox.put(RequestOutput("r", text, [token], num_output_tokens=k, finished=k == 4))
+    release.set()
+    wait_for(lambda: len(sent) == 4 and not outbox.queued)
+    assert [(o.text, o.token_ids, o.num_output_tokens, o.finished) for o in sent] == [
+        ("a", [1], 1, False), ("b", [2], 2, False), ("c", [3], 3, False), ("d", [4], 4, True)]
     pool.close()
 
 
@@ -154,7 +176,7 @@ def test_streams_take_turns_on_the_send_threads():
             order.append((name, out.text))
         return send
 
-    a, b = Outbox(pool, sender("a")), Outbox(pool, sender("b"))
+    a, b = Outbox(pool, sender("a"), 0), Outbox(pool, sender("b"), 0)  # 0: merge whatever waits
     a.put(RequestOutput("a", "1"))
     wait_for(lambda: a.sending)
     b.put(RequestOutput("b", "1"))
@@ -176,11 +198,11 @@ def test_a_send_stuck_on_an_orphaned_stream_gets_a_new_thread_beside_it():
     from backends.triton_adapter import Outbox, SendPool
 
     pool, never, done = SendPool(1), threading.Event(), []
-    stuck = Outbox(pool, lambda out: never.wait())
+    stuck = Outbox(pool, lambda out: never.wait(), 0)
     stuck.put(RequestOutput("s", "x"))
     wait_for(lambda: stuck.sending)
     pool.unstick(stuck)
-    other = Outbox(pool, done.append)
+    other = Outbox(pool, done.append, 0)
     other.put(RequestOutput("o", "y"))
     wait_for(lambda: len(done) == 1)
     pool.unstick(other)

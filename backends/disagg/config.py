@@ -15,7 +15,8 @@ class DisaggConfig:
         "doc": "decode: how long to wait for the prefill engine's NIXL metadata"})
     transfer_timeout_s: float = field(default=30.0, metadata={
         "doc": "longest a request may wait for its KV once decode reserved it, or for its destination on prefill "
-               "(unless decode said it is queued: overload queues, it does not fail)"})
+               "(unless decode said it is queued: overload queues, it does not fail); prefill drops a destination "
+               "for a request it never got after twice this"})
     decode_reserve_tokens: int = field(default=128, metadata={
         "doc": "decode: KV kept free per admitted request for the tokens it will still decode"})
     meta_slots: int = field(default=256, metadata={"doc": "metadata slots (first token, lengths) per engine"})

@@ -318,8 +318,11 @@ class PrefillRole:
             if now - req.admitted_at > limit and room not in self.decode_queued:  # a queued room waits
                 self.bootstrap.pop(room)
                 self.engine.finish(req, "error", error=f"no KV destination from the decode engine within {limit:g}s")
+        # A destination for a request this engine never got: decode's own timer, started before it
+        # sent the destination, fails the request and aborts the room; this is the backstop for a
+        # decode that went silent, so it waits twice as long and never speaks first.
         for room, (peer, _, at) in list(self.dests.items()):
-            if now - at > limit and room not in self.shipping and self._running(room) is None \
+            if now - at > 2 * limit and room not in self.shipping and self._running(room) is None \
                     and room not in self.bootstrap:
                 self.dests.pop(room)
                 self._give_up(peer, room, "the prefill engine never got this request")
