@@ -25,7 +25,7 @@ import time
 
 from backends.grpc_stream import stream_events
 from client.stream import build_inputs
-from tests.server import TritonServer, free_port
+from client.triton_server import TritonServer, free_port
 
 ENGINE = {"max_context": "4096", "num_pages": "1024"}
 WORDS = ("box", "river", "lamp", "garden", "cloud", "paper", "stone", "window", "train", "music", "bread", "mirror")

@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.request
 
-from tests.server import free_port
+from client.triton_server import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 from client.bench import DEFAULT_TOKENIZER, Progress, Target, Workload, run_level
-from tests.server import TritonServer, free_port, metric_value, set_parameters
+from client.triton_server import TritonServer, free_port, metric_value, set_parameters
 
 ENGINE = {"max_context": "2048", "num_pages": "512"}
 POLICIES = {"cache_aware": "router", "round_robin": "router_rr"}

@@ -20,7 +20,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.server import TRITONSERVER, free_port  # noqa: E402
+from client.triton_server import TRITONSERVER, free_port  # noqa: E402
 
 CONFIG = """name: "echo"
 backend: "python"

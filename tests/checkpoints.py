@@ -8,7 +8,7 @@ import shutil
 
 import torch
 
-from tests.server import DEFAULT_MODEL
+from client.triton_server import DEFAULT_MODEL
 
 VOCAB = 512
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

@@ -21,7 +21,7 @@ os.environ.setdefault("TANDEM_DEVICE", "cpu")
 import pytest  # noqa: E402
 
 from tests.checkpoints import make_checkpoint  # noqa: E402
-from tests.server import DEFAULT_MODEL, TritonServer  # noqa: E402
+from client.triton_server import DEFAULT_MODEL, TritonServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

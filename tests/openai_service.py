@@ -7,7 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
-from tests.server import ROOT, free_port
+from client.triton_server import ROOT, free_port
 
 
 class OpenAIService:

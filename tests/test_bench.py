@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from client.bench import Workload, genai_perf_cmd, parse_target
-from tests.server import ROOT
+from client.triton_server import ROOT
 
 pytestmark = pytest.mark.server
 TOKENS = 6

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from client import bench_gpu
-from tests.server import ROOT
+from client.triton_server import ROOT
 
 
 def test_weight_bytes_per_step_equal_the_parameters_read():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.server import ROOT
+from client.triton_server import ROOT
 from tests.test_router import router_server  # noqa: F401  (router over prefill and decode, as a fixture)
 
 pytestmark = pytest.mark.server

@@ -9,7 +9,7 @@ import torch
 
 from backends.config import EngineConfig
 from backends.disagg.config import DisaggConfig
-from tests.server import ROOT
+from client.triton_server import ROOT
 
 
 def test_parameters_are_typed_and_blank_keeps_default(monkeypatch):
@@ -92,7 +92,7 @@ def test_bad_parameter_values_name_the_parameter():
     ("decode", {"dp_size": "64", "prefill_address": "127.0.0.1:1"}, "dp_size 64 is more ranks than the"),
 ])
 def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model, params, message):
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     server = TritonServer(str(tmp_path), models=[model], parameters={model: params}, ready_timeout_s=120)
     with pytest.raises(RuntimeError) as failed:
         server.start()
@@ -111,7 +111,7 @@ def test_tritonserver_refuses_a_bad_or_unknown_parameter_at_load(tmp_path, model
     ({"unhealthy_after": "0"}, "unhealthy_after must be >= 1, got 0"),
 ])
 def test_router_refuses_a_bad_parameter_at_load(tmp_path, parameters, message):
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     server = TritonServer(str(tmp_path), models=["router"], parameters={"router": parameters}, ready_timeout_s=120)
     with pytest.raises(RuntimeError):
         server.start()

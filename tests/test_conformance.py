@@ -14,7 +14,7 @@ import torch
 from backends.model_config import ModelConfig
 from backends.request import SamplingParams
 from tests.engine_utils import collect, idle_pages, small_engine, token_ids
-from tests.server import ROOT
+from client.triton_server import ROOT
 from tests.test_model_parity import hf_model, prompts
 
 GREEDY = SamplingParams(max_tokens=24)

@@ -156,7 +156,7 @@ def test_an_abort_in_flight_quarantines_only_the_pages_prefill_writes(pair, colo
 @pytest.mark.server
 def test_a_conversation_through_the_router_reuses_decode_kv(default_model, tmp_path):
     from client.stream import stream_generate
-    from tests.server import TritonServer, free_port
+    from client.triton_server import TritonServer, free_port
     from tests.test_router import LONG, disagg_parameters
     server = TritonServer(str(tmp_path / "repo"), models=["llm", "prefill", "decode", "router"],
                           parameters=disagg_parameters(free_port()))

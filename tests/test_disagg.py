@@ -15,7 +15,7 @@ from backends.engine import Engine
 from backends.request import SamplingParams
 from backends.disagg.local import Pair, drain
 from tests.engine_utils import collect, idle_pages, token_ids
-from tests.server import free_port
+from client.triton_server import free_port
 from tests.test_model_parity import prompts
 
 PARAMS = SamplingParams(max_tokens=20, min_tokens=20)

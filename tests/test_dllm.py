@@ -228,7 +228,7 @@ def test_llm_serves_a_dllm_checkpoint_through_tritonserver(dllm_path, tmp_path_f
     from transformers import AutoTokenizer
 
     from client.stream import stream_generate
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     tok = AutoTokenizer.from_pretrained(dllm_path)
     eos = set(ModelConfig.load(dllm_path).eos_token_ids)
     server = TritonServer(str(tmp_path_factory.mktemp("repo_dllm")), models=["llm"],

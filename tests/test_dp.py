@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.server import free_port
+from client.triton_server import free_port
 from tests.test_model_parity import prompts
 
 CASES = {  # per rank, per step: the prompt each rank runs (None: an idle batch)
@@ -313,7 +313,7 @@ def test_decode_dp2_equals_colocated(checkpoint):
 def test_llm_and_router_with_dp2_equal_transformers(default_model, tmp_path_factory, overlap):
     """`llm` with dp_size 2 and `router` -> `decode` with dp_size 2 (each rank one of the two
     cores) stream transformers' greedy ids for prompts sent at once; every pool is whole after."""
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
     parameters = disagg_parameters(free_port())
     for model in ("llm", "decode"):
@@ -347,7 +347,7 @@ def test_a_rank_killed_under_tritonserver(default_model, tmp_path):
     import concurrent.futures
     import signal
     from client.stream import stream_generate
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     server = TritonServer(str(tmp_path), models=["llm"], parameters={"llm": {"dp_size": "2"}})
     with server:
         url = server.grpc_url
@@ -374,7 +374,7 @@ def test_every_role_with_its_engine_in_its_own_process_equals_transformers(defau
     """`llm`, and `router` -> `prefill` + `decode`, each engine in a process of its own beside
     its stub: transformers' greedy ids streamed, prefill's NIXL agent named by its describe
     (the router pairs with it), every pool whole after."""
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
     parameters = disagg_parameters(free_port())
     for model in ("llm", "prefill", "decode"):
@@ -392,7 +392,7 @@ def test_a_killed_engine_process_under_tritonserver(default_model, tmp_path):
     import signal
     import threading
     from client.stream import stream_generate
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     server = TritonServer(str(tmp_path), models=["llm"], parameters={"llm": {"engine_process": "own"}})
     with server:
         url, result = server.grpc_url, {}

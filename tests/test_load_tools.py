@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.server import ROOT
+from client.triton_server import ROOT
 
 pytestmark = pytest.mark.server
 BIN = os.path.join(ROOT, ".venv", "bin")

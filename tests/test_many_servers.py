@@ -11,7 +11,7 @@ import time
 import pytest
 
 from client.stream import stream_generate
-from tests.server import TritonServer, free_port, set_parameters
+from client.triton_server import TritonServer, free_port, set_parameters
 from tests.test_router import ENGINE, PROMPTS, wait_endpoint_health
 
 pytestmark = pytest.mark.server

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from client.stream import build_inputs, stream_events, stream_generate
 from tests.openai_service import OpenAIService
-from tests.server import DEFAULT_MODEL, ROOT, TritonServer, free_port
+from client.triton_server import DEFAULT_MODEL, ROOT, TritonServer, free_port
 from tests.test_router import disagg_parameters
 
 pytestmark = pytest.mark.server

@@ -125,7 +125,7 @@ def test_bad_overlap_value_is_refused(checkpoint):
 def test_llm_and_router_with_overlap_equal_transformers(default_model, tmp_path_factory):
     """Through tritonserver, every engine with overlap on: `llm` and `router` (prefill and
     decode both overlapping) stream transformers' greedy text, prompts at once."""
-    from tests.server import TritonServer, free_port
+    from client.triton_server import TritonServer, free_port
     from tests.test_router import assert_llm_and_router_equal_transformers, disagg_parameters
     parameters = {model: {**knobs, "overlap": "on"} for model, knobs in disagg_parameters(free_port()).items()}
     server = TritonServer(str(tmp_path_factory.mktemp("repo_overlap")), models=["llm", "prefill", "decode", "router"],

@@ -15,7 +15,7 @@ from backends.disagg.prefill import prefill_agent_name
 from backends.engine import Engine
 from backends.request import SamplingParams
 from tests.engine_utils import collect, token_ids
-from tests.server import free_port
+from client.triton_server import free_port
 from tests.test_disagg import wait_for
 from tests.test_model_parity import prompts
 

@@ -9,7 +9,7 @@ import pytest
 from backends.grpc_stream import stream_events
 from backends.triton_io import output_arrays, parse_request
 from client.stream import build_inputs
-from tests.server import TritonServer, free_port
+from client.triton_server import TritonServer, free_port
 from tests.test_router import disagg_parameters
 
 PROMPT = ("You are a helpful assistant who answers in one short sentence. The user asks about the capital "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from client.stream import build_inputs, stream_generate
-from tests.server import TritonServer, free_port, set_parameters
+from client.triton_server import TritonServer, free_port, set_parameters
 
 pytestmark = pytest.mark.server
 ENGINE = {"max_context": "2048", "num_pages": "256", "chunk_size": "256", "max_batch_tokens": "256"}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from client.stream import build_inputs, stream_events
-from tests.server import TritonServer, free_port
+from client.triton_server import TritonServer, free_port
 from tests.test_router import disagg_parameters
 
 pytestmark = pytest.mark.server
@@ -29,7 +29,7 @@ def server(default_model, tmp_path_factory):
 @functools.lru_cache(maxsize=1)
 def hf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from tests.server import DEFAULT_MODEL
+    from client.triton_server import DEFAULT_MODEL
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     return tok, AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
 

@@ -21,7 +21,7 @@ MAX_TOKENS = 40
 @functools.lru_cache(maxsize=1)
 def _hf_default():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from tests.server import DEFAULT_MODEL
+    from client.triton_server import DEFAULT_MODEL
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     return tok, AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
 
@@ -283,7 +283,7 @@ def _group_of(pid: int) -> int | None:
 def test_stubs_exit_without_a_segfault(default_model, tmp_path):
     """Metrics freed after the stub's IPC is down crash the stub at exit (Triton 2.51):
     finalize frees them first, so a server that served and stopped leaves no segfault."""
-    from tests.server import TritonServer
+    from client.triton_server import TritonServer
     before = _segfault_lines()
     if before is None:
         pytest.skip("dmesg is not readable here")

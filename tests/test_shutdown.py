@@ -9,7 +9,7 @@ import time
 import pytest
 
 from client.stream import stream_generate
-from tests.server import TritonServer, free_port
+from client.triton_server import TritonServer, free_port
 
 pytestmark = pytest.mark.server
 MODELS = ["llm", "prefill", "decode", "router"]

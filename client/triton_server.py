@@ -1,5 +1,5 @@
 """A real tritonserver process on free ports, over a copy of model_repository/
-with some parameters changed. Used by the tests and the load tools."""
+with some parameters changed. Used by the load tools and the tests."""
 from __future__ import annotations
 
 import os
