@@ -76,7 +76,8 @@ class EngineConfig:
                "keeps them apart)"})
     overlap: str = field(default="off", metadata={
         "doc": "on = the next step is scheduled and launched while the last one's tokens are streamed (a "
-               "forward thread runs the steps, a decode's input token is resolved when its step starts); off"})
+               "forward thread runs the steps, a decode's input token is resolved when its step starts; after a "
+               "step of plain greedy rows, from its tokens on the device, without waiting for the host); off"})
     prefix_caching: str = field(default="auto", metadata={
         "doc": "reuse the KV of prompt prefixes computed before (full pages, matched by their tokens): on; off; "
                "auto = on. decode: the prompt pages it already holds (received or decoded for an earlier "

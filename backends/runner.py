@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,9 @@ class StepInputs:
     tensors: dict[str, torch.Tensor]
     graph: int | None = None
     host: torch.Tensor | None = None
+    # futures fed from an earlier step's tokens where they were computed: (its tokens, indices
+    # in ids, rows of its tokens) per step; the scheduler moves them here from `futures`
+    fed: list[tuple[torch.Tensor, list[int], list[int]]] = field(default_factory=list)
 
 
 def pack_inputs(pack: IntPack, ids: list[int], positions: list[int], rows: list[int], q_lens: list[int],
@@ -209,12 +212,18 @@ class ModelRunner:
 
     def _resolve(self, step: StepInputs, ids: torch.Tensor) -> None:
         """Write the tokens that an earlier step was still sampling when this one was prepared
-        (overlap) into its ids: known only now, so on CUDA a second, small copy."""
-        if not step.futures:
-            return
-        index = [i for i, _ in step.futures]
-        pack = IntPack(self.device, self.packed)
-        pack.add("index", index, torch.long)
-        pack.add("tokens", [step.ids[i] for i in index], torch.long)
-        t = pack.send()
-        ids.index_copy_(0, t["index"], t["tokens"])
+        (overlap) into its ids: those known on the host, known only now, so on CUDA a second,
+        small copy; and those fed from the earlier step's tokens on the device."""
+        if step.futures:
+            index = [i for i, _ in step.futures]
+            pack = IntPack(self.device, self.packed)
+            pack.add("index", index, torch.long)
+            pack.add("tokens", [step.ids[i] for i in index], torch.long)
+            t = pack.send()
+            ids.index_copy_(0, t["index"], t["tokens"])
+        for tokens, index, rows in step.fed:
+            pack = IntPack(self.device, self.packed)
+            pack.add("index", index, torch.long)
+            pack.add("rows", rows, torch.long)
+            t = pack.send()
+            ids.index_copy_(0, t["index"], tokens.index_select(0, t["rows"]))

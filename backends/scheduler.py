@@ -11,8 +11,11 @@ With `overlap` off a step is launched and completed in one turn. With it on, the
 forward and the sampling run on a forward thread: the loop launches step N+1, then
 completes step N while N+1 computes. A decode's input token in step N+1 is the token
 step N is still sampling (a future, `Request.futures`), resolved on the forward thread
-when N+1 starts, so no token waits on the loop. A request that finishes at step N
-drops what N+1 computed for it, and its pages go back only after N+1's forward.
+when N+1 starts, so no token waits on the loop. When every row of step N is a plain
+greedy pick, N+1 takes N's tokens where they were computed (on a GPU, without waiting for
+them to reach the host), so the forwards follow each other with no wait between. A
+request that finishes at step N drops what N+1 computed for it, and its pages go back
+only after N+1's forward has ended (on the device too).
 
 Roles (colocated, prefill, decode) differ only in where requests come from and
 where finished prefills go (`backends.role`); they plug into this loop. A role asks
@@ -37,7 +40,8 @@ from backends.kv_cache import Fence, Match
 from backends.request import Request, RequestOutput, Status, TokenLogprob
 from backends.role import ColocatedRole, KeepPages, Role
 from backends.runner import Batch, ModelRunner, StepInputs
-from backends.sampler import RowsFailed, sample
+from backends.sampler import RowsFailed, needs_logits, sample
+from kernels.greedy_head import DeviceGreedyHead, PendingTokens
 
 log = logging.getLogger("tandem.scheduler")
 KEPT_STEPS = 4   # steps whose sampled tokens the forward thread keeps for later steps' futures
@@ -88,8 +92,10 @@ class Scheduler:
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap else None
         self.in_flight: Step | None = None
         self.steps_launched = 0
-        self.forward_done = -1     # the last step whose forward has finished (forward thread)
-        self.sampled: dict[int, list[int]] = {}   # step -> its tokens (forward thread only)
+        self.forward_done = -1     # the last step whose forward has finished (on the device too)
+        self._done_lock = threading.Lock()
+        # step -> its tokens, on the host or pending on the device (forward thread only)
+        self.sampled: dict[int, list[int] | PendingTokens] = {}
 
     # ---- called from other threads -------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -214,11 +220,12 @@ class Scheduler:
         return Step(number, batch, result, epochs)
 
     def _forward(self, number: int, batch: Batch, inputs: StepInputs, hook, banned: list[list[int]]):
-        """Resolve the futures, run the forward, sample (the forward thread when overlap is on)."""
+        """Resolve the futures, run the forward, sample (the forward thread when overlap is on).
+        A step whose tokens feed the next on the device returns them pending: its forward ends
+        on the device later (`_wait_pending`)."""
+        pending = None
         try:
-            for index, (step, row) in inputs.futures:
-                # a failed step sampled nothing; its requests are finished and these rows dropped
-                inputs.ids[index] = self.sampled[step][row] if step in self.sampled else 0
+            self._take_futures(inputs)
             if self.dp is not None:
                 self.dp.begin_forward(batch)
             # sampling (the lm_head: a fifth of the default model's weights) is compute too:
@@ -229,17 +236,67 @@ class Scheduler:
                     return [], None, {}
                 if self.dllm_block:  # every position of each block: the reveal is the loop's
                     return self.runner.model.logits(hidden), None, {}
-                try:
-                    tokens, logprobs = sample(self.runner.model, hidden, batch.samples, banned,
-                                              self.role.carries_logprobs)
-                    errors = {}
-                except RowsFailed as exc:  # one row's failure must not cost its neighbours their token
-                    tokens, logprobs, errors = exc.tokens, exc.logprobs, exc.errors
+                if self._feeds_on_device(batch):
+                    pending = self._launch_greedy(hidden, batch.samples, banned)
+                    tokens, logprobs, errors = pending, None, {}
+                else:
+                    try:
+                        tokens, logprobs = sample(self.runner.model, hidden, batch.samples, banned,
+                                                  self.role.carries_logprobs)
+                        errors = {}
+                    except RowsFailed as exc:  # one row's failure must not cost its neighbours their token
+                        tokens, logprobs, errors = exc.tokens, exc.logprobs, exc.errors
             self.sampled[number] = tokens
             self.sampled.pop(number - KEPT_STEPS, None)
             return tokens, logprobs, errors
         finally:
-            self.forward_done = number
+            if pending is None or pending.done is None:
+                self._forward_finished(number)
+
+    def _take_futures(self, inputs: StepInputs) -> None:
+        """Each input token that an earlier step was still sampling: written from its tokens on
+        the host, or fed from its tokens on the device when that step left them pending."""
+        host, fed = [], {}
+        for index, (step, row) in inputs.futures:
+            tokens = self.sampled.get(step)
+            if isinstance(tokens, PendingTokens):
+                _, indices, rows = fed.setdefault(step, (tokens.device, [], []))
+                indices.append(index)
+                rows.append(row)
+                continue
+            # a failed step sampled nothing; its requests are finished and these rows dropped
+            inputs.ids[index] = tokens[row] if tokens is not None else 0
+            host.append((index, (step, row)))
+        inputs.futures, inputs.fed = host, list(fed.values())
+
+    def _feeds_on_device(self, batch: Batch) -> bool:
+        """Overlap's fast path: every row a plain greedy pick (no logprobs, no penalties: nothing
+        the host must know before the next step samples), so the next step takes these tokens
+        where they are computed and no step waits for the host between two forwards."""
+        return self.overlap and self.dp is None and not self.role.carries_logprobs and \
+            all(not needs_logits(req, False) and not req.params.penalised for req in batch.samples)
+
+    def _launch_greedy(self, hidden: torch.Tensor, samples: list[Request], banned: list[list[int]]) -> PendingTokens:
+        head = self.runner.model.greedy_head
+        if isinstance(head, DeviceGreedyHead):
+            return head.launch(hidden, banned)
+        tokens, _ = sample(self.runner.model, hidden, samples, banned, False)  # done when it returns
+        return PendingTokens(torch.tensor(tokens, dtype=torch.long))
+
+    def _forward_finished(self, number: int) -> None:
+        with self._done_lock:  # the forward thread and the loop both move it, forward only
+            self.forward_done = max(self.forward_done, number)
+
+    def _wait_pending(self, number: int, pending: PendingTokens) -> list[int]:
+        try:
+            return pending.wait()
+        finally:
+            self._forward_finished(number)
+
+    def _wait_forward(self, step: Step) -> None:
+        """Until the step's forward has ended, on the device too."""
+        if step.result.exception() is None and isinstance(tokens := step.result.result()[0], PendingTokens):
+            self._wait_pending(step.number, tokens)
 
     def _banned(self, req: Request) -> list[int]:
         """Its stop ids until min_tokens (counting tokens still being sampled)."""
@@ -249,6 +306,8 @@ class Scheduler:
     def _complete(self, step: Step) -> None:
         try:
             tokens, logprobs, errors = step.result.result()
+            if isinstance(tokens, PendingTokens):
+                tokens = self._wait_pending(step.number, tokens)
         except Exception as exc:  # a bad batch must not take the engine down
             log.error("step failed: %s", "".join(traceback.format_exception(exc)))
             self._forget(step)
@@ -459,7 +518,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.running.remove(req)
         if self.in_flight is not None and req.last_step > self.forward_done:
-            self.in_flight.result.exception()  # its pages are still read: let that forward end
+            self._wait_forward(self.in_flight)  # its pages are still read: let that forward end
         self.pool.release(req.pages, self.role.on_preempt(req))  # a role's transfer may still read them
         req.pages, req.num_computed, req.status = [], 0, Status.WAITING
         req.cached_pages, req.kv_epoch = 0, req.kv_epoch + 1

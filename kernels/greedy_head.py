@@ -106,6 +106,30 @@ class GreedyHead:
         return self(torch.ones(1, self.k)) is not None
 
 
+def ban(logits: torch.Tensor, banned: list[list[int]] | None) -> None:
+    """-inf at each row's banned ids, in one scatter whose indices go to the device without
+    waiting for it (on a GPU an assignment a row made a copy that waited for the stream)."""
+    pairs = [(row, token) for row, ids in enumerate(banned or ()) for token in ids]
+    if not pairs:
+        return
+    at = torch.tensor(pairs, dtype=torch.long).to(logits.device, non_blocking=True)
+    logits.index_put_((at[:, 0], at[:, 1]), logits.new_full((len(pairs),), float("-inf")))
+
+
+class PendingTokens:
+    """A step's greedy tokens, launched: `device` (a row's token each) can feed the next step's
+    input ids before any of them reaches the host; `wait()` gives them on the host. `done` is
+    the event after which the step's work on the device has ended (None: it had when made)."""
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor | None = None, done=None):
+        self.device, self.host, self.done = device, host, done
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return (self.host if self.host is not None else self.device).tolist()
+
+
 class DeviceGreedyHead:
     """Greedy tokens on a GPU. The argmax is taken over the logits in the model's dtype: the
     fp32 logits the sampler would take are their exact copies, so the token is the same, and
@@ -117,16 +141,18 @@ class DeviceGreedyHead:
         self.linear, self.head = linear, head
 
     def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int]:
+        return self.launch(hidden, banned).wait()
+
+    def launch(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> PendingTokens:
+        """The tokens on the device and their copy to the host on its way; nothing waits."""
         logits = self.linear(hidden, self.head)
-        for row, ids in enumerate(banned or []):
-            if ids:
-                logits[row, ids] = float("-inf")
+        ban(logits, banned)
+        tokens = logits.argmax(dim=-1)
         host = torch.empty(hidden.shape[0], dtype=torch.int64, pin_memory=True)
-        host.copy_(logits.argmax(dim=-1), non_blocking=True)
+        host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        done.synchronize()
-        return host.tolist()
+        return PendingTokens(tokens, host, done)
 
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> None:
         """None: on a GPU the full logits cost little, and a matmul over a few ids need not

@@ -156,3 +156,15 @@ def test_device_head_matches_fp32_argmax_with_barred_tokens():
     for row, ids in enumerate(barred):
         logits[row, ids] = float("-inf")
     assert DeviceGreedyHead(TorchLinear(), head)(hidden, barred) == logits.argmax(-1).tolist()
+
+
+def test_ban_puts_minus_infinity_at_each_rows_ids_only():
+    from kernels.greedy_head import ban
+    logits = torch.randn(3, 10)
+    want = logits.clone()
+    want[0, [1, 4]] = float("-inf")
+    want[2, [9]] = float("-inf")
+    ban(logits, [[1, 4], [], [9]])
+    assert torch.equal(logits, want)
+    ban(logits, None)
+    assert torch.equal(logits, want)

@@ -161,3 +161,70 @@ def test_a_failed_step_costs_the_next_step_nothing(checkpoint, monkeypatch):
         assert_pool_whole(eng)
     finally:
         eng.stop()
+
+
+def test_greedy_steps_feed_the_next_step_where_their_tokens_are(engines, monkeypatch):
+    """A step of plain greedy rows leaves its tokens pending and the next step takes them from
+    there (fed), none through the host; a step with a penalised or a logprob row samples on
+    the host and the next step's tokens come from the host. Both equal overlap off."""
+    off, on = engines
+    resolved, resolve = [], on.runner._resolve
+
+    def record(step, ids):
+        resolved.append((len(step.futures), sum(len(index) for _, index, _ in step.fed)))
+        resolve(step, ids)
+    monkeypatch.setattr(on.runner, "_resolve", record)
+    batch, greedy = prompts(3), SamplingParams(max_tokens=10, min_tokens=10)
+    assert [token_ids(o) for o in collect(on, batch, greedy)] == [token_ids(o) for o in collect(off, batch, greedy)]
+    assert sum(fed for _, fed in resolved) > 0 and sum(host for host, _ in resolved) == 0
+    resolved.clear()
+    mixed = [greedy, SamplingParams(max_tokens=10, min_tokens=10, repetition_penalty=1.3),
+             SamplingParams(max_tokens=10, min_tokens=10, logprobs=2)]
+    assert [token_ids(o) for o in collect(on, batch, mixed)] == [token_ids(o) for o in collect(off, batch, mixed)]
+    assert sum(host for host, _ in resolved) > 0
+    assert_pool_whole(on)
+
+
+class HeldEvent:
+    """A device's "step done" event that does not come until the test says so."""
+
+    def __init__(self):
+        self.gate, self.waited = threading.Event(), threading.Event()
+
+    def synchronize(self):
+        self.waited.set()
+        assert self.gate.wait(30)
+
+
+def test_a_pending_step_launches_the_next_and_holds_its_fence_until_it_ends(checkpoint, monkeypatch):
+    """The loop turned by hand, each step's device work held (a fake event): step 1 is
+    launched and its forward runs while step 0's tokens are still pending, and step 0 counts
+    as done (its pages' fence) only once its end was waited for."""
+    from backends.config import EngineConfig
+    from backends.engine import Engine
+    from kernels.greedy_head import PendingTokens
+    eng = Engine(EngineConfig(model_path=checkpoint("llama"), page_size=4, num_pages=64, threads=1, overlap="on"))
+    held, sched = HeldEvent(), eng.scheduler
+    try:  # not started: this test turns the loop
+        launch = sched._launch_greedy
+        monkeypatch.setattr(sched, "_launch_greedy", lambda *a: PendingTokens(launch(*a).device, None, held))
+        outs: list = []
+        eng.generate(prompts(2)[1], SamplingParams(max_tokens=8, min_tokens=8), outs.append)
+        assert sched.step() and sched.in_flight.number == 0
+        sched.in_flight.result.result(30)
+        assert sched.forward_done == -1 and not sched.after_step(0)()
+        turn = threading.Thread(target=sched.step)
+        turn.start()  # launches step 1, then waits for step 0's end
+        assert held.waited.wait(30)
+        assert sched.in_flight.number == 1 and sched.in_flight.result.result(30)  # step 1's forward ran
+        assert sched.forward_done == -1 and not outs
+        held.gate.set()
+        turn.join(30)
+        assert sched.forward_done >= 0 and sched.after_step(0) is None and len(outs) == 1
+        while not (outs and outs[-1].finished):
+            sched.step()
+        assert len(token_ids(outs)) == 8
+        assert_pool_whole(eng)
+    finally:
+        held.gate.set()
+        eng.stop()
