@@ -164,6 +164,15 @@ class TritonServer:
         self.log.close()
 
     # ---- metrics -------------------------------------------------------------------
+    def wait_metric(self, name: str, done, timeout_s: float = 20) -> bool:
+        """Whether done(the metric's value, 0 while it is absent) comes true within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if done(self.metrics().get(name, 0.0)):
+                return True
+            time.sleep(0.02)
+        return False
+
     def metrics(self) -> dict[str, float]:
         """Tandem's gauges and counters: {'tandem_kv_pages_free{model="llm"}': 512.0, ...}."""
         with urllib.request.urlopen(f"http://localhost:{self.metrics_port}/metrics", timeout=5) as r:

@@ -395,7 +395,12 @@ def blocked_pair(checkpoint, monkeypatch, **knobs):
 def test_overload_queues_past_the_transfer_timeout(checkpoint, monkeypatch):
     pair, blocker, blocked = blocked_pair(checkpoint, monkeypatch, transfer_timeout_s=1.0)
     try:
-        _, d, p = pair.submit(prompts(4)[3], PARAMS)
+        # prefill gets the request once decode has said it is queued (sent together, a loaded
+        # machine can take longer than the 1 s timeout to carry that word)
+        room, d, _ = pair.submit(prompts(4)[3], PARAMS, to_prefill=False)
+        assert wait_for(lambda: room in pair.prefill.scheduler.role.decode_queued)
+        p = queue.Queue()
+        pair.prefill.generate(prompts(4)[3], PARAMS, p.put, request_id=f"room-{room}", room=room)
         time.sleep(2.5)
         # prefill may have streamed its first token (the prompt runs before the destination comes)
         early = [p.get_nowait() for _ in range(p.qsize())]

@@ -400,6 +400,8 @@ def test_a_killed_engine_process_under_tritonserver(default_model, tmp_path):
             url, "llm", "Tell a long story.", max_tokens=1500, min_tokens=np.array([1500], dtype=np.int32))))
         run.start()
         assert wait_until(lambda: server.metrics()['tandem_running{model="llm"}'] == 1, 60)
+        # streaming: its first token reached the stub (the latency histogram counts it)
+        assert server.wait_metric('tandem_itl_seconds_count{model="llm"}', lambda n: n >= 1, 60)
         assert server.metrics()['tandem_dp_ranks_alive{model="llm"}'] == 1
         os.kill(rank_pids(server)[0], signal.SIGKILL)
         run.join(60)

@@ -32,6 +32,9 @@ def start_prefill(path: str, port: int) -> Engine:
     return Engine(EngineConfig(model_path=path, **BASE, role="prefill"), disagg=cfg).start()
 
 
+HANDSHAKE_S = 10  # long beside a request's service on a loaded 2-core machine
+
+
 class Trio:
     """Two prefill engines and one decode engine whose default prefill_address has no one
     listening: a request reaches a prefill engine only through its prefill_agent."""
@@ -40,7 +43,7 @@ class Trio:
         self.path, self.ports = path, [free_port(), free_port()]
         self.prefills = [start_prefill(path, port) for port in self.ports]
         cfg = DisaggConfig(prefill_address=f"127.0.0.1:{free_port()}", transfer_timeout_s=30,
-                           handshake_timeout_s=3)
+                           handshake_timeout_s=HANDSHAKE_S)
         self.decode = Engine(EngineConfig(model_path=path, **BASE, role="decode"), disagg=cfg).start()
 
     def submit(self, ids: list[int], params: SamplingParams, which: int, to_prefill: bool = True):
@@ -115,18 +118,18 @@ def test_a_stopped_prefill_engine_fails_only_its_rooms(trio, colocated):
 
 
 def test_an_unreachable_prefill_agent_does_not_hold_up_the_others(trio):
-    """The handshake with a dead address takes the whole handshake timeout (3 s here); requests
-    paired with a live engine go on meanwhile (decode's transfer thread does not wait for it)."""
+    """The handshake with a dead address takes the whole handshake timeout; requests paired
+    with a live engine are served meanwhile (decode's transfer thread does not wait for it)."""
     dead = free_port()
     room = random.getrandbits(62) + 1
     lost = queue.Queue()
     trio.decode.generate(prompts(1)[0], PARAMS, lost.put, request_id=f"room-{room}", room=room,
                          prefill_agent=agent(dead))
-    time.sleep(0.2)   # its dial has started
-    start = time.monotonic()
+    peers = trio.decode.scheduler.role.peers
+    name = prefill_agent_name(dead)
+    assert wait_for(lambda: name in peers and peers[name].state == "connecting")  # its dial has started
     _, d, p = trio.submit(prompts(2)[1], PARAMS, 1)
     assert drain(d, 30)[-1].error is None and drain(p, 30)[-1].error is None
-    served = time.monotonic() - start
+    assert lost.empty(), "a live engine's request waited for a dead one's handshake"
     assert "unreachable" in drain(lost, 30)[-1].error
-    assert served < 2.5, f"a live engine's request waited {served:.1f}s for a dead one's handshake"
     assert wait_for(trio.kv_whole)

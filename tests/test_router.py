@@ -90,15 +90,6 @@ def test_router_bad_input(router_server):
     assert stream_generate(router_server.grpc_url, "router", "Hi", max_tokens=4).error is None
 
 
-def wait_metric(server: TritonServer, name: str, done, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if done(server.metrics().get(name, 0.0)):
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_two_servers_and_a_prefill_killed_mid_transfer(default_model, tmp_path_factory):
     """Server B runs prefill; server A runs router + decode and reaches B over gRPC
     and NIXL, as two hosts would (addresses in config.pbtxt). B dies while a prompt's
@@ -115,7 +106,7 @@ def test_two_servers_and_a_prefill_killed_mid_transfer(default_model, tmp_path_f
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(stream_generate, a.grpc_url, "router", LONG, max_tokens=8)
                 # decode has reserved the KV and sent its destination: prefill is writing into it
-                assert wait_metric(a, 'tandem_transferring{model="decode"}', lambda n: n >= 1, timeout_s=60)
+                assert a.wait_metric('tandem_transferring{model="decode"}', lambda n: n >= 1, timeout_s=60)
                 os.killpg(b.proc.pid, signal.SIGKILL)  # the server and its prefill engine process
                 start = time.monotonic()
                 result = pending.result(timeout=60)
@@ -227,7 +218,7 @@ def test_router_stub_crash_frees_its_childrens_kv(default_model, tmp_path_factor
             client.start_stream(callback=lambda result, error: None)
             client.async_stream_infer("router", build_inputs(f"Tell me story number {i}.", max_tokens=400, chat=True,
                                                              min_tokens=np.array([400], dtype=np.int32)))
-        assert wait_metric(server, 'tandem_running{model="decode"}', lambda n: n == 3, timeout_s=60)
+        assert server.wait_metric('tandem_running{model="decode"}', lambda n: n == 3, timeout_s=60)
         os.kill(stub_pid(server, "router"), signal.SIGSEGV)
         try:
             for model in ("decode", "prefill"):

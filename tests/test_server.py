@@ -167,7 +167,8 @@ def test_client_cli(llm_server):
 def test_metrics_scrape(llm_server):
     """Engine gauges and latency histograms on Triton's metrics port."""
     stream_generate(llm_server.grpc_url, "llm", "Say hello.", max_tokens=8, chat=True)
-    time.sleep(0.5)  # the watcher observes queued latencies every 0.1 s
+    # the watcher observes queued latencies every 0.1 s
+    assert llm_server.wait_metric('tandem_itl_seconds_count{model="llm"}', lambda n: n >= 1)
     m = llm_server.metrics()
     assert m['tandem_kv_pages_total{model="llm"}'] == 512
     assert m['tandem_ttft_seconds_count{model="llm"}'] >= 1
