@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from typing import Callable
 from backends.config import EngineConfig
 from backends.engine import check_request, load_tokenizer, tokenize
 from backends.model_config import ModelConfig
+from backends.ports import free_port
 from backends.request import InvalidRequest, Request, RequestOutput, SamplingParams
 
 log = logging.getLogger("tandem.dp")
@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT_S = 600        # a rank loads its weights before it says ready
 STATS_EVERY_S = 0.25         # a rank's stats (the model's gauges) are this old at most
 STOP_TIMEOUT_S = 10
+GROUP_BROKE = 3              # a rank's exit code when another rank's end broke its collective
 
 
 def _python() -> str:
@@ -50,12 +51,6 @@ def _python() -> str:
     if os.path.basename(sys.executable).startswith("python"):
         return sys.executable
     return shutil.which("python3") or "python3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def page_chain(prompt_ids: list[int], salt: bytes | None, page_size: int) -> list[int]:
@@ -296,6 +291,7 @@ class DpGroup:
         except subprocess.TimeoutExpired:  # its pipe closed but it hangs on: it cannot serve
             rank.proc.kill()
             code = rank.proc.wait()
+        rank, code = first_cause(self.ranks, rank, code)
         self.failure = (f"{rank.name} exited (code {code}); this model stopped "
                         "serving with it: reload the model")
         log.error("%s", self.failure)
@@ -308,6 +304,18 @@ class DpGroup:
     @staticmethod
     def _error(request_id: str, message: str) -> RequestOutput:
         return RequestOutput(request_id, finished=True, finish_reason="error", error=message)
+
+
+def first_cause(ranks: list[RankProcess], rank: RankProcess, code: int) -> tuple[RankProcess, int]:
+    """The rank whose exit broke the group: a rank that exits because its collective broke
+    (GROUP_BROKE) names another that has exited for another reason, if one has (its pipe's end
+    may be read after the broken rank's)."""
+    if code == GROUP_BROKE:
+        for other in ranks:
+            other_code = other.proc.poll()
+            if other is not rank and other_code not in (None, GROUP_BROKE):
+                return other, other_code
+    return rank, code
 
 
 # ---- the rank process ----------------------------------------------------------------
@@ -327,7 +335,7 @@ def rank_main(rank: int, size: int, port: int, recv_fd: int, send_fd: int) -> No
     engine = Engine(cfg, disagg=disagg)
     if loop_group is not None:
         make_rank(engine, rank, size, loop_group, group_cores,
-                  on_broken=lambda exc: _exit(f"the DP group broke: {exc}", 3))
+                  on_broken=lambda exc: _exit(f"the DP group broke: {exc}", GROUP_BROKE))
     lock = threading.Lock()
 
     def send(message) -> None:

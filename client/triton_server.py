@@ -3,49 +3,18 @@ with some parameters changed. Used by the load tools and the tests."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 
+from backends.ports import free_port  # noqa: F401 (the load tools and tests take it from here)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 TRITONSERVER = os.path.join(ROOT, ".venv", "bin", "tritonserver")
-
-
-_given: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range: a port the kernel hands out
-    itself (bind to 0) can be taken back as the source port of any outgoing connection
-    (a model connecting to its peer while the server loads) before the server binds it,
-    as a CI run saw ("Socket ... already in use")."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        if port in _given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _given.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def set_parameters(config: str, values: dict[str, str]) -> str:

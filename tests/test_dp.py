@@ -433,3 +433,17 @@ def test_a_ranks_outputs_go_to_the_stub_in_order_batched_while_a_send_is_under_w
     release.set()
     assert wait_until(lambda: sum(len(m[1]) for m in sent) == 4, 5)
     assert [(kind, [o.text for o in outs]) for kind, outs in sent] == [("outs", ["1"]), ("outs", ["2", "3", "4"])]
+
+
+def test_a_rank_that_exits_because_the_group_broke_names_the_rank_that_broke_it():
+    """Rank 1 SIGKILLed, rank 0 out with GROUP_BROKE: whichever pipe's end is read first, the
+    failure names rank 1; a broken rank alone, or one whose peer still runs, names itself."""
+    from types import SimpleNamespace
+
+    from backends.dp_group import GROUP_BROKE, first_cause
+    rank = lambda name, code: SimpleNamespace(name=name, proc=SimpleNamespace(poll=lambda: code))
+    zero, one = rank("DP rank 0 of 2", GROUP_BROKE), rank("DP rank 1 of 2", -9)
+    assert first_cause([zero, one], zero, GROUP_BROKE) == (one, -9)
+    assert first_cause([zero, one], one, -9) == (one, -9)
+    running = rank("DP rank 1 of 2", None)
+    assert first_cause([zero, running], zero, GROUP_BROKE) == (zero, GROUP_BROKE)

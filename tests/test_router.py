@@ -142,10 +142,17 @@ def stub_pid(server: TritonServer, model: str) -> int:
 def test_router_sends_each_token_without_waiting_for_the_next(router_server):
     """Decode is frozen (SIGSTOP) the moment the client holds token n-1, before it can compute
     token n: nothing may reach the client until decode runs again. A router that holds each
-    decode response until the next one arrives has token n already and sends it at once."""
+    decode response until the next one arrives has token n already and sends it at once, in
+    every try; one try in three may see token n computed before the stop (a loaded machine
+    can take longer than a decode step to bring token n-1 to the client)."""
+    assert any(token_n_waits_for_decode(router_server) for _ in range(3)), \
+        "token n reached the client while decode was stopped, in every try: the router had held it"
+
+
+def token_n_waits_for_decode(server: TritonServer, n: int = 6) -> bool:
+    """Whether nothing reached the client in the second decode was stopped after token n-1."""
     import tritonclient.grpc as grpcclient
-    n = 6
-    decode = stub_pid(router_server, "decode")
+    decode = stub_pid(server, "decode")
     tokens: list[int] = []
     events: queue.Queue = queue.Queue()
 
@@ -156,7 +163,7 @@ def test_router_sends_each_token_without_waiting_for_the_next(router_server):
                 os.kill(decode, signal.SIGSTOP)  # within a millisecond; a decode step takes ten or more
         events.put(error)
 
-    client = grpcclient.InferenceServerClient(router_server.grpc_url)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=on_response)
     try:
         client.async_stream_infer("router", build_inputs("Count from one to twenty:", max_tokens=n, chat=True,
@@ -165,12 +172,14 @@ def test_router_sends_each_token_without_waiting_for_the_next(router_server):
             assert events.get(timeout=60) is None
         assert len(tokens) == n - 1, "one response a token (an ASCII answer) makes token n-1 observable"
         time.sleep(1.0)
-        assert events.empty(), "token n reached the client while decode was stopped: the router had held it"
+        waited = events.empty()
     finally:
         os.kill(decode, signal.SIGCONT)
-    assert events.get(timeout=30) is None and len(tokens) == n
+    while len(tokens) < n:
+        assert events.get(timeout=30) is None
     client.stop_stream()
     client.close()
+    return waited
 
 
 def channel_sockets(server: TritonServer) -> int:

@@ -8,8 +8,9 @@ import random
 
 from backends.config import EngineConfig
 from backends.disagg.config import DisaggConfig
-from backends.dp_group import DpGroup, free_port
+from backends.dp_group import DpGroup
 from backends.engine import Engine
+from backends.ports import free_port
 from backends.request import RequestOutput, SamplingParams
 
 
