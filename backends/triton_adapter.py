@@ -176,9 +176,10 @@ class SendPool:
     TensorRT-LLM backend streams; when more than `backlog` wait, they go out as one response
     carrying all their tokens, as vLLM's AsyncLLM merges a request's outputs when its reader
     lags (a lagging stream catches up, and a load tool still sees a response per token
-    whenever the server keeps up). A stream keeps its order; a slow send costs that stream responses, not the batch its step time (the
-    previous shape waited after each forward for the last step's sends: 64 streams of an 8B
-    model on an H100 stepped 17.9 ms through tritonserver against 10.2 ms in-process).
+    whenever the server keeps up). A stream keeps its order; a slow send costs that stream
+    its pace, not the batch its step time (the previous shape waited after each forward for
+    the last step's sends: 64 streams of an 8B model on an H100 stepped 17.9 ms through
+    tritonserver against 10.2 ms in-process).
     Streams take turns: an outbox sends once, then queues again behind the others.
 
     A send to a BLS parent that died never returns (Triton 2.51): when the watcher orphans a
