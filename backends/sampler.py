@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from backends.request import Request, TokenLogprob
+from kernels.greedy_head import ban
 
 
 class RowsFailed(RuntimeError):
@@ -125,9 +126,7 @@ def sample_logits(logits: torch.Tensor, requests: list[Request], banned: list[li
     host copies are the ids (and the logprobs) at the end."""
     want = [row for row, req in enumerate(requests) if with_logprobs or req.params.logprobs is not None]
     raw = torch.log_softmax(logits[want], dim=-1) if want else None   # before anything below changes them
-    for row, ids in enumerate(banned):
-        if ids:
-            logits[row, ids] = float("-inf")  # no end before min_tokens
+    ban(logits, banned)  # no end before min_tokens
     penalised = [row for row, req in enumerate(requests) if req.params.penalised]
     if penalised:
         apply_penalties(logits, penalised, [requests[row] for row in penalised])
