@@ -5,13 +5,14 @@ the GPU waits for the host to launch the next; a graph replays them all in one l
 One graph is captured at load per bucket of batch sizes (bucket_sizes). Its inputs are
 views of one static device buffer laid out as the runner packs any step (token ids,
 positions, logit rows, then the attention metadata: backends.runner.pack_inputs), the
-page table as wide as the longest context, and the Triton decode kernel's split count
-fixed by that context (splits past a shorter context are empty and cost a program each).
+sequences' rows of a page table kept on the device (backends.page_table; the graph gathers
+them, as wide as the longest context), and the Triton decode kernel's split count fixed by
+that context (splits past a shorter context are empty and cost a program each).
 
 A decode step of B <= bucket requests fills the bucket's layout on the host with
-B - bucket padding decodes after its own (one cached position, no page of their own, so
-they read page 0; slot -1, so they write no KV; their output rows are dropped), copies it
-in with one copy and replays. Prefill and mixed steps, batches above the largest bucket
+bucket - B padding decodes after its own (one cached position, the table's row of zeros,
+so they read page 0; slot -1, so they write no KV; their output rows are dropped), copies
+it in with one copy, writes the page-table entries that changed and replays. Prefill and mixed steps, batches above the largest bucket
 and steps with DP collectives run eagerly. Only the Triton attention backend runs in a
 graph: the others plan on the host per batch.
 """

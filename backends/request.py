@@ -171,6 +171,8 @@ class Request:
         # revealed), from position block_start; None for an autoregressive request.
         self.block: list[int] | None = None
         self.block_start = 0
+        # Its KV pages. The list only grows in place or is replaced by another list (never
+        # changed in the middle): the device page table (backends.page_table) writes by that.
         self.pages: list[int] = []
         # Prefix cache (backends.kv_cache): requests of different salts never share KV. Its
         # first `cached_pages` pages are indexed (matched or cached), the last of them named

@@ -16,6 +16,7 @@ from backends.cores import CoreTurns
 from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
 from backends.kv_cache import KVManager, allocate_kv_buffer
 from backends.model import LayerHook, LlamaModel, load_model
+from backends.page_table import DevicePageTable
 from backends.request import Request, SamplingParams
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
@@ -61,17 +62,20 @@ class StepInputs:
     # futures fed from an earlier step's tokens where they were computed: (its tokens, indices
     # in ids, rows of its tokens) per step; the scheduler moves them here from `futures`
     fed: list[tuple[torch.Tensor, list[int], list[int]]] = field(default_factory=list)
+    # a graph step's writes to the device page table (flat indices, pages): DevicePageTable.assign
+    table_writes: tuple[list[int], list[int]] = ([], [])
 
 
 def pack_inputs(pack: IntPack, ids: list[int], positions: list[int], rows: list[int], q_lens: list[int],
                 kv_lens: list[int], page_tables: list[list[int]], page_size: int, width: int = 0,
-                pad: int = 0) -> None:
+                pad: int = 0, table_rows: list[int] | None = None) -> None:
     """A step's arrays into one pack: the model's inputs, then the attention metadata's.
-    pad: padding decodes after the real ones (a CUDA graph's bucket; see AttentionMetadata.add_to)."""
+    pad: padding decodes after the real ones (a CUDA graph's bucket); table_rows: rows of the
+    device page table instead of a table (see AttentionMetadata.add_to)."""
     pack.add("ids", ids + [0] * pad, torch.long)
     pack.add("positions", positions + [0] * pad, torch.long)
     pack.add("rows", rows, torch.long)
-    AttentionMetadata.add_to(pack, q_lens, kv_lens, page_tables, page_size, width, pad)
+    AttentionMetadata.add_to(pack, q_lens, kv_lens, page_tables, page_size, width, pad, table_rows)
 
 
 class ModelRunner:
@@ -111,11 +115,18 @@ class ModelRunner:
         self.packed = self.device.type == "cuda"  # a step's arrays in one pinned copy (tests set it on a CPU)
         use_graphs = graphs_enabled(cfg.cuda_graphs, self.device.type, self.attention_backend, cfg.role)
         self.graphs: DecodeGraphs | None = None
+        self.page_rows: DevicePageTable | None = None
         if self.device.type == "cuda":
             self._warm_up()
         if use_graphs:
-            self.graphs = DecodeGraphs(bucket_sizes(cfg.max_running_requests))
-            self.graphs.capture(self._graph_inputs)
+            self.capture_graphs(DecodeGraphs(bucket_sizes(cfg.max_running_requests)))
+
+    def capture_graphs(self, graphs: DecodeGraphs) -> None:
+        """Decode steps from now on replay `graphs`, which read their pages from a table on
+        the device with a row for each sequence of the largest bucket."""
+        self.page_rows = DevicePageTable(max(graphs.sizes), self.graph_width, self.device)
+        self.graphs = graphs
+        graphs.capture(self._graph_inputs)
 
     def _warm_up(self) -> None:
         """Triton compiles a kernel on its first launch (seconds): a prefill and a decode
@@ -135,11 +146,14 @@ class ModelRunner:
 
     def _graph_inputs(self, bucket: int):
         """A graph's capture: its pack of `bucket` padding decodes, and the forward over the
-        views of that pack's device buffer (split count fixed by the longest context)."""
+        views of that pack's device buffer (split count fixed by the longest context), its
+        page table gathered from the device's."""
         pack = IntPack(self.device, packed=True)
-        pack_inputs(pack, [], [], list(range(bucket)), [], [], [], self.cfg.page_size, self.graph_width, bucket)
+        pack_inputs(pack, [], [], list(range(bucket)), [], [], [], self.cfg.page_size, pad=bucket,
+                    table_rows=[self.page_rows.padding] * bucket)
 
         def forward(views: dict[str, torch.Tensor]) -> torch.Tensor:
+            views = {**views, "page_table": self.page_rows.gather(views["table_rows"])}
             meta = AttentionMetadata.from_pack([1] * bucket, [self.max_context] * bucket, self.cfg.page_size, views)
             return self.model.forward(views["ids"], views["positions"], self.kv, self.attn, self.attn.plan(meta),
                                       views["rows"])
@@ -177,10 +191,16 @@ class ModelRunner:
         pages = [r.pages for r, _ in batch.items]
         bucket = self._graph_bucket(q_lens, rows)
         if bucket is not None:
-            pack = IntPack(self.device, packed=True)
-            pack_inputs(pack, ids, positions, list(range(bucket)), q_lens, kv_lens, pages, self.cfg.page_size,
-                        self.graph_width, bucket - len(q_lens))
-            return StepInputs(ids, positions, rows, None, futures, {}, bucket, self.graphs.host(bucket, pack))
+            try:
+                table_rows, *writes = self.page_rows.assign([r for r, _ in batch.items], bucket - len(q_lens))
+                pack = IntPack(self.device, packed=True)
+                pack_inputs(pack, ids, positions, list(range(bucket)), q_lens, kv_lens, pages, self.cfg.page_size,
+                            pad=bucket - len(q_lens), table_rows=table_rows)
+                host = self.graphs.host(bucket, pack)
+            except Exception:
+                self.page_rows.reset()  # its writes will never be made
+                raise
+            return StepInputs(ids, positions, rows, None, futures, {}, bucket, host, table_writes=tuple(writes))
         pack = IntPack(self.device, self.packed)
         pack_inputs(pack, ids, positions, rows, q_lens, kv_lens, pages, self.cfg.page_size)
         tensors = pack.send()
@@ -205,6 +225,11 @@ class ModelRunner:
             self._step_thread = threading.get_ident()
             torch.set_num_threads(self.cfg.num_threads)
         if step.graph is not None:
+            try:
+                self.page_rows.write(*step.table_writes, self.packed)
+            except Exception:
+                self.page_rows.reset()
+                raise
             return self.graphs.replay(step.graph, step.host, len(step.rows), lambda ids: self._resolve(step, ids))
         t = step.tensors
         self._resolve(step, t["ids"])

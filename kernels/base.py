@@ -72,16 +72,21 @@ class AttentionMetadata:
 
     @staticmethod
     def add_to(pack: IntPack, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]],
-               page_size: int, width: int = 0, pad: int = 0) -> None:
+               page_size: int, width: int = 0, pad: int = 0, table_rows: list[int] | None = None) -> None:
         """The batch's integer arrays into `pack`, to travel in one copy with the step's others.
         width: the page table's (0 = the longest sequence's pages; pages past it are never
         read: a graph's width covers the longest context); pad: padding sequences
         after the real ones (a CUDA graph's bucket), each one decode token with one cached
-        position, no page (row of page 0) and slot -1 (no KV write)."""
+        position, no page (row of page 0) and slot -1 (no KV write). table_rows: each
+        sequence's row of a page table already on the device (a decode graph's,
+        backends.page_table), sent instead of the table."""
         # Plain Python lists: per-sequence tensor ops cost more than the arithmetic at decode
         # batch sizes on a CPU. The page table is the exception (page_table_array).
-        width = width or max((len(p) for p in page_tables), default=1) or 1
-        table = page_table_array(page_tables, width, pad)
+        if table_rows is None:
+            width = width or max((len(p) for p in page_tables), default=1) or 1
+            pack.add("page_table", page_table_array(page_tables, width, pad), torch.int32, (len(q_lens) + pad, width))
+        else:
+            pack.add("table_rows", table_rows, torch.long)
         slots = [pages[pos // page_size] * page_size + pos % page_size
                  for pages, q, kv in zip(page_tables, q_lens, kv_lens) for pos in range(kv - q, kv)] + [-1] * pad
         q_lens, kv_lens = list(q_lens) + [1] * pad, list(kv_lens) + [1] * pad
@@ -89,7 +94,6 @@ class AttentionMetadata:
         for q in q_lens:
             cu_q.append(cu_q[-1] + q)
         decodes = [i for i, q in enumerate(q_lens) if q == 1]
-        pack.add("page_table", table, torch.int32, (len(q_lens), width))
         pack.add("slot_mapping", slots, torch.int64)
         pack.add("seq_lens", kv_lens, torch.int32)
         pack.add("cu_q", cu_q, torch.int32)
@@ -107,8 +111,8 @@ class AttentionMetadata:
 
 def page_table_array(page_tables: list[list[int]], width: int, pad: int) -> torch.Tensor:
     """The table [(B + pad) * width] int32, each row a sequence's pages then zeros, written a
-    row at a time into zeros: a CUDA graph's table is as wide as the longest context (8192
-    pages at 128K tokens), too wide to build entry by entry in Python (docs/gpu.md)."""
+    row at a time into zeros (entry by entry in Python cost 40x more at 64 x 8192 pages:
+    docs/gpu.md). Decode graphs keep theirs on the device instead (backends.page_table)."""
     table = np.zeros((len(page_tables) + pad, width), dtype=np.int32)
     for row, pages in enumerate(page_tables):
         table[row, :len(pages)] = pages[:width]

@@ -137,19 +137,23 @@ def test_only_steps_of_sampling_decodes_that_fit_a_bucket_replay(runner):
 
 def test_a_padded_decode_step_is_laid_out_as_its_graph(runner):
     """Three decodes in the bucket of 4: the capture's layout, one padding decode after them
-    that reads one position of page 0 and writes no KV (slot -1)."""
-    width = runner.graph_width
-    captured, _ = runner._graph_inputs(4)
-    pack = IntPack("cpu", packed=True)
-    pack_inputs(pack, [11, 12, 13], [8, 5, 2], [0, 1, 2, 3], [1, 1, 1], [9, 6, 3], [[1, 2, 3], [4, 5], [6]],
-                4, width, pad=1)
-    assert pack.layout() == captured.layout()
-    t = pack.send()
+    that reads one position of page 0 (the device table's zero row) and writes no KV (slot -1)."""
+    runner.capture_graphs(EagerGraphs([4]))
+    try:
+        captured, _ = runner._graph_inputs(4)
+        pad = runner.page_rows.padding
+        pack = IntPack("cpu", packed=True)
+        pack_inputs(pack, [11, 12, 13], [8, 5, 2], [0, 1, 2, 3], [1, 1, 1], [9, 6, 3], [[1, 2, 3], [4, 5], [6]],
+                    4, pad=1, table_rows=[0, 1, 2, pad])
+        assert pack.layout() == captured.layout()
+        t = pack.send()
+        assert "page_table" not in t and t["table_rows"].tolist() == [0, 1, 2, pad]
+        assert not runner.page_rows.table[pad].any()
+    finally:
+        runner.graphs = runner.page_rows = None
     assert t["ids"].tolist() == [11, 12, 13, 0] and t["positions"].tolist() == [8, 5, 2, 0]
     assert t["slot_mapping"].tolist() == [3 * 4 + 0, 5 * 4 + 1, 6 * 4 + 2, -1]
     assert t["seq_lens"].tolist() == [9, 6, 3, 1] and t["cu_q"].tolist() == [0, 1, 2, 3, 4]
-    assert t["page_table"].shape == (4, width) and t["page_table"][0, :4].tolist() == [1, 2, 3, 0]
-    assert not t["page_table"][3].any()
     assert t["decode_seqs"].tolist() == t["decode_rows"].tolist() == [0, 1, 2, 3]
     assert t["extend_seqs"].numel() == 0
 
@@ -185,8 +189,7 @@ class EagerGraphs(DecodeGraphs):
 
 
 def test_padding_decodes_write_no_kv(runner):
-    runner.graphs = EagerGraphs([4])
-    runner.graphs.capture(runner._graph_inputs)
+    runner.capture_graphs(EagerGraphs([4]))
     taken = runner.pool.allocate(runner.pool.num_free)
     held = [p for p in taken if p == 0]  # page 0, where padding decodes point, is no request's here
     runner.pool.release([p for p in taken if p != 0])
@@ -198,7 +201,7 @@ def test_padding_decodes_write_no_kv(runner):
         changed = (runner.kv != 123.0).flatten(4).any(-1).nonzero()[:, 2:].tolist()  # (page, offset) written
         assert sorted({tuple(x) for x in changed}) == sorted([(first.pages[2], 0), (second.pages[1], 1)])
     finally:
-        runner.graphs = None
+        runner.graphs = runner.page_rows = None
         free(runner, Batch(items))
         runner.pool.release(held)
 
@@ -214,8 +217,7 @@ def test_the_graph_path_streams_the_eager_engines_tokens(checkpoint, overlap):
     def run(graphs: bool):
         engine = small_engine(path, attention_backend="triton", overlap=overlap)
         if graphs:
-            engine.runner.graphs = EagerGraphs(bucket_sizes(engine.cfg.max_running_requests))
-            engine.runner.graphs.capture(engine.runner._graph_inputs)
+            engine.runner.capture_graphs(EagerGraphs(bucket_sizes(engine.cfg.max_running_requests)))
         try:
             out = [token_ids(o) for o in collect(engine, batch, params, timeout_s=600)]
             assert_pool_whole(engine)
@@ -224,6 +226,28 @@ def test_the_graph_path_streams_the_eager_engines_tokens(checkpoint, overlap):
             engine.stop()
     (graphed, replays), (eager, _) = run(True), run(False)
     assert replays > 0 and graphed == eager
+
+
+def test_graph_steps_through_preemptions_and_reused_rows_stream_the_eager_engines_tokens(checkpoint):
+    """More requests than the device page table has rows and too few pages for them all:
+    rows are taken back from finished requests, preempted requests come back with new page
+    lists, and the tokens are still the eager engine's; every page is given back."""
+    path = checkpoint("llama")
+    params = SamplingParams(max_tokens=12, min_tokens=12)
+    batch = prompts(6, seed=3)
+
+    def run(graphs: bool):
+        engine = small_engine(path, attention_backend="triton", overlap="on", max_running_requests=4, num_pages=24)
+        if graphs:
+            engine.runner.capture_graphs(EagerGraphs(bucket_sizes(engine.cfg.max_running_requests)))
+        try:
+            out = [token_ids(o) for o in collect(engine, batch, params, timeout_s=600)]
+            assert_pool_whole(engine)
+            return out, engine.runner.graphs.replays() if graphs else 0, engine.scheduler.num_preemptions
+        finally:
+            engine.stop()
+    (graphed, replays, preempted), (eager, _, _) = run(True), run(False)
+    assert replays > 0 and preempted > 0 and graphed == eager
 
 
 # ---- warm-up and the parameter -------------------------------------------------------------
