@@ -26,7 +26,11 @@
 # OUT (artifacts/bench-peers), ROUNDS (1: each peer once; N: the whole list N times, in turn,
 # each round in $OUT/round-K, then the median and range of every ratio in $OUT/rounds.txt),
 # TANDEM_MODELS ("llm"; "llm router prefill decode" benchmarks the disaggregated path too),
-# NP (llama-server slots, 16), PORT_BASE (18200: tandem 18200-18202, vllm +11, llama.cpp +13).
+# NP (llama-server slots, 16), PORT_BASE (18200: tandem 18200-18202, vllm +11, llama.cpp +13),
+# NO_AMX (1: every server as on a CPU with AVX-512 BF16 and no AMX, e.g. AMD Zen 4: oneDNN's
+# ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, which Tandem's tile kernels follow too, and vLLM told
+# that torch's CPU has no AMX, since it picks its AMX kernels by torch's CPU flags; llama.cpp
+# is built without AMX either way).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -42,6 +46,8 @@ OUT=${OUT:-$ROOT/artifacts/bench-peers}
 NP=${NP:-16}
 TANDEM_MODELS=${TANDEM_MODELS:-llm}
 PORT_BASE=${PORT_BASE:-18200}
+NO_AMX=${NO_AMX:-0}
+[ "$NO_AMX" = 1 ] && export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
 MODEL_DIR=${MODEL_DIR:-$ROOT/models/SmolLM2-135M-Instruct}
 LLAMA_VERSION=0.3.36
 VLLM_VERSION=0.32.0
@@ -154,6 +160,25 @@ PY
     echo "$repo"
 }
 
+vllm_without_amx() {  # $D/no-amx/sitecustomize.py for vLLM's processes, checked to take effect
+    local dir=$D/no-amx
+    mkdir -p "$dir"
+    cat >"$dir/sitecustomize.py" <<'PY'
+# bench_peers.sh NO_AMX=1: vLLM picks its AMX kernels (attention, small GEMMs) by torch's CPU flags.
+import torch.cpu
+torch.cpu._is_amx_tile_supported = lambda: False
+torch.cpu._is_amx_fp16_supported = lambda: False
+PY
+    PYTHONPATH=$dir "$D/vllm/bin/python" - >&2 <<'PY' || { log "vLLM would still use AMX"; exit 1; }
+import torch
+from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+isa, sgl = _get_attn_isa(torch.bfloat16, 128, 64), check_cpu_sgl_kernel(576, 576, torch.bfloat16)
+print(f"vLLM without AMX: attention isa {isa}, AMX small-GEMM kernel {sgl}")
+assert isa != "amx" and not sgl
+PY
+}
+
 start_cmd() {
     local peer=$1 port=$2
     case $peer in
@@ -183,10 +208,11 @@ start_cmd() {
         vllm|vllm-bf16)
             # BIND=0-1: two OpenMP threads on both cores (by default vLLM keeps one core for its
             # API process and computes on one thread); the best of the configs measured.
-            local preload=""
+            local preload="" no_amx=""
             [ -f /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && \
                 preload="LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$D/vllm/lib/libiomp5.so"
-            echo "env VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1" \
+            [ "$NO_AMX" = 1 ] && no_amx="PYTHONPATH=$D/no-amx"
+            echo "env VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 $no_amx" \
                  "TRANSFORMERS_OFFLINE=1 $preload $D/vllm/bin/python -m vllm.entrypoints.openai.api_server" \
                  "--model $MODEL_DIR --served-model-name smol --host 127.0.0.1 --port $port" \
                  "--dtype $([ "$peer" = vllm-bf16 ] && echo bfloat16 || echo float32)" \
@@ -197,16 +223,28 @@ start_cmd() {
 serve() {
     local peer=$1 port=${2:-$(port_of "$1")}
     stop "$peer" 2>/dev/null || true
+    case $NO_AMX:$peer in 1:vllm*) vllm_without_amx ;; esac
     log "starting $peer on port $port (log $D/$peer.log)"
     # setsid: the server gets its own process group, so `stop` can end all of it.
     setsid bash -c "exec $(start_cmd "$peer" "$port")" >"$D/$peer.log" 2>&1 &
     echo $! >"$D/$peer.pid"
     for _ in $(seq 600); do
-        curl -sf -m 2 "$(health_url "$peer")" -o /dev/null && { log "$peer ready"; return 0; }
+        curl -sf -m 2 "$(health_url "$peer")" -o /dev/null && { log "$peer ready"; check_no_amx "$peer"; return 0; }
         kill -0 "$(cat "$D/$peer.pid")" 2>/dev/null || { tail -20 "$D/$peer.log" >&2; return 1; }
         sleep 1
     done
     log "$peer not ready after 600 s"; return 1
+}
+
+check_no_amx() {  # NO_AMX=1: the cap reached the processes that compute (Tandem's engine is its stub)
+    [ "$NO_AMX" = 1 ] || return 0
+    local pid found=0
+    for pid in $(pgrep -g "$(cat "$D/$1.pid")"); do
+        tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" \
+            || { log "$1: process $pid runs without the ISA cap"; return 1; }
+        found=$((found + 1))
+    done
+    log "$1: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in all $found of its processes"
 }
 
 stop() {

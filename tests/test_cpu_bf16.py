@@ -6,6 +6,8 @@ twice it (plus 0.1 % of their scale). The error is measured per kind on transfor
 bf16 that model in bf16; int8 the fp32 model with every matmul weight rounded per group of 32 k to
 int8 and back (the lm_head untied from the embedding, which the engine keeps as it is)."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,6 +95,25 @@ def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, i
         coarse = rest.double() @ ((w / per_channel).round() * per_channel).double().T
         exact = rest.double() @ w.double().T
         assert (y_rest.double() - exact)[:, 5].abs().mean() < (coarse - exact)[:, 5].abs().mean() / 10
+
+
+AMX_READY = ("from kernels import greedy_head, linear; from kernels.cbuild import load; "
+             "print(linear.Bf16PanelLinear().amx_ready(), "
+             "bool(load('greedy_head', greedy_head.SIGNATURES).greedy_head_amx_ready()))")
+
+
+@pytest.mark.parametrize("cap, tiles", [("AVX512_CORE_BF16", False), ("avx512_core", False),
+                                        ("AVX512_CORE_AMX", True), ("ALL", True), ("", True)])
+def test_the_tiles_follow_onednns_isa_cap(cap, tiles):
+    """ONEDNN_MAX_CPU_ISA below AMX turns the tiles off in the panel GEMM (and the decoder that
+    compiles it in) and the greedy head, as oneDNN turns off its own; else where the CPU has them."""
+    if not cbuild.available("panel_gemm", SIGNATURES):
+        pytest.skip("no C compiler here")
+    has = subprocess.run([sys.executable, "-c", AMX_READY], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if "MAX_CPU_ISA" not in k}).stdout.split()
+    got = subprocess.run([sys.executable, "-c", AMX_READY], capture_output=True, text=True, check=True,
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": cap}).stdout.split()
+    assert got == (has if tiles else ["False", "False"])
 
 
 def test_int8_pack_holds_the_group_scales_after_the_panels():
