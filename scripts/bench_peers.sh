@@ -241,9 +241,10 @@ check_no_amx() {  # NO_AMX=1: the cap reached the server's processes (Tandem's e
     local pid env found=0 renamed=0
     for pid in $(pgrep -g "$(cat "$D/$1.pid")"); do
         env=$(tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null) || continue
-        # vLLM's forked EngineCore and Worker rename themselves (setproctitle), which overwrites
-        # the memory /proc shows as their environment: they inherit their parent's.
-        [ -z "$env" ] && { renamed=$((renamed + 1)); continue; }
+        # vLLM's forked EngineCore and Worker rename themselves (setproctitle: "VLLM::Worker", no
+        # program path), which overwrites the memory /proc shows as their environment: they
+        # inherit their parent's.
+        [ -e "$(tr '\0' '\n' <"/proc/$pid/cmdline" | head -1)" ] || { renamed=$((renamed + 1)); continue; }
         grep -qx "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" <<<"$env" \
             || { log "$1: process $pid runs without the ISA cap"; return 1; }
         found=$((found + 1))
