@@ -74,8 +74,8 @@ class AttentionMetadata:
     def add_to(pack: IntPack, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]],
                page_size: int, width: int = 0, pad: int = 0, table_rows: list[int] | None = None) -> None:
         """The batch's integer arrays into `pack`, to travel in one copy with the step's others.
-        width: the page table's (0 = the longest sequence's pages; pages past it are never
-        read: a graph's width covers the longest context); pad: padding sequences
+        width: the page table's (0 = the longest sequence's pages; pages past a sequence's
+        own are never read); pad: padding sequences
         after the real ones (a CUDA graph's bucket), each one decode token with one cached
         position, no page (row of page 0) and slot -1 (no KV write). table_rows: each
         sequence's row of a page table already on the device (a decode graph's,
