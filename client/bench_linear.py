@@ -12,8 +12,9 @@ Options: the project's fp32 panel GEMM (kernels.linear.PanelLinear), oneDNN's fp
 product (OnednnLinear), torch's bf16 F.linear, oneDNN's bf16 inner product unpacked and
 prepacked (torch.ops.mkldnn._reorder_linear_weight for the row count, then
 _linear_pointwise), the same prepacked product under fp32 rows, the project's bf16-weight
-panel GEMM (Bf16PanelLinear) on vdpbf16ps alone and on AMX tiles alone (the engine's switches
-to the tiles from csrc/panel_gemm.c's panel_amx_min_rows rows), and torch's weight-only int8
+panel GEMM (Bf16PanelLinear) and its int8 form (Int8PanelLinear) on vdpbf16ps alone and on AMX
+tiles alone (the engine's switches to the tiles from csrc/panel_gemm.c's panel_amx_min_rows
+rows), and torch's weight-only int8
 matmul (aten._weight_int8pack_mm, per-channel scales). The bf16 library rows take bf16
 activations ready (a model held in bf16), except "fp32 rows", which rounds fp32 rows to bf16
 and makes its bf16 output fp32 again (what this fp32-activation model would run); the panel
@@ -43,17 +44,17 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def options(rows: int) -> dict:
     """name -> (prepare(weight fp32) -> what the call reads, the activation dtype, call(x, w))."""
-    from kernels.linear import Bf16PanelLinear, OnednnLinear, PanelLinear, panel_amx_min_rows
+    from kernels.linear import Bf16PanelLinear, Int8PanelLinear, OnednnLinear, PanelLinear, panel_amx_min_rows
 
-    panel, panel_bf16, onednn = PanelLinear(), Bf16PanelLinear(), OnednnLinear()
+    panel, panel_bf16, panel_int8, onednn = PanelLinear(), Bf16PanelLinear(), Int8PanelLinear(), OnednnLinear()
     pointwise = torch.ops.mkldnn._linear_pointwise
 
-    def bf16_tiles(from_rows: int):
-        """panel_bf16 with its AMX tiles from `from_rows` rows (0: never)."""
+    def tiles(linear, from_rows: int):
+        """The panel GEMM with its AMX tiles from `from_rows` rows (0: never)."""
         def call(x, w):
             shipped = panel_amx_min_rows(from_rows)
             try:
-                return panel_bf16(x, w)
+                return linear(x, w)
             finally:
                 panel_amx_min_rows(shipped)
         return call
@@ -72,8 +73,10 @@ def options(rows: int) -> dict:
         "oneDNN bf16 prepacked, fp32 rows": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows),
                                              torch.float32,
                                              lambda x, w: pointwise(x.bfloat16(), w, None, "none", [], "").float()),
-        "panel bf16 weights, vdpbf16ps (hand-written)": (panel_bf16.prepare, torch.float32, bf16_tiles(0)),
-        "panel bf16 weights, AMX tiles (hand-written)": (panel_bf16.prepare, torch.float32, bf16_tiles(1)),
+        "panel bf16 weights, vdpbf16ps (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 0)),
+        "panel bf16 weights, AMX tiles (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 1)),
+        "panel int8 weights, vdpbf16ps (hand-written)": (panel_int8.prepare, torch.float32, tiles(panel_int8, 0)),
+        "panel int8 weights, AMX tiles (hand-written)": (panel_int8.prepare, torch.float32, tiles(panel_int8, 1)),
         "torch int8 weight-only": (int8, torch.bfloat16, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, *w)),
     }
 

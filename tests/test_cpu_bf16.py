@@ -299,4 +299,4 @@ def test_bench_linear_times_every_option(checkpoint, tmp_path):
     report = json.loads(out.read_text())
     assert sorted(report) == ["1", "9"]
     for rows in report.values():
-        assert len(rows) == 9 and all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
+        assert len(rows) == 11 and all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
