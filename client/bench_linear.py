@@ -12,9 +12,9 @@ Options: the project's fp32 panel GEMM (kernels.linear.PanelLinear), oneDNN's fp
 product (OnednnLinear), torch's bf16 F.linear, oneDNN's bf16 inner product unpacked and
 prepacked (torch.ops.mkldnn._reorder_linear_weight for the row count, then
 _linear_pointwise), the same prepacked product under fp32 rows, the project's bf16-weight
-panel GEMM (Bf16PanelLinear) and its int8 form (Int8PanelLinear) on vdpbf16ps alone and on AMX
-tiles alone (the engine's switches to the tiles from csrc/panel_gemm.c's panel_amx_min_rows
-rows), and torch's weight-only int8
+panel GEMM (Bf16PanelLinear) on vdpbf16ps alone and on AMX tiles alone, its int8 form
+(Int8PanelLinear) on int16 rows (vpdpwssd) alone and on the tiles alone (the engine switches to
+the tiles from csrc/panel_gemm.c's panel_amx_min_rows rows), and torch's weight-only int8
 matmul (aten._weight_int8pack_mm, per-channel scales). The bf16 library rows take bf16
 activations ready (a model held in bf16), except "fp32 rows", which rounds fp32 rows to bf16
 and makes its bf16 output fp32 again (what this fp32-activation model would run); the panel
@@ -75,7 +75,8 @@ def options(rows: int) -> dict:
                                              lambda x, w: pointwise(x.bfloat16(), w, None, "none", [], "").float()),
         "panel bf16 weights, vdpbf16ps (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 0)),
         "panel bf16 weights, AMX tiles (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 1)),
-        "panel int8 weights, vdpbf16ps (hand-written)": (panel_int8.prepare, torch.float32, tiles(panel_int8, 0)),
+        "panel int8 weights, int16 rows on vpdpwssd (hand-written)": (panel_int8.prepare, torch.float32,
+                                                                      tiles(panel_int8, 0)),
         "panel int8 weights, AMX tiles (hand-written)": (panel_int8.prepare, torch.float32, tiles(panel_int8, 1)),
         "torch int8 weight-only": (int8, torch.bfloat16, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, *w)),
     }

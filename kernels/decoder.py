@@ -14,7 +14,7 @@ import ctypes
 import torch
 
 from kernels import cbuild
-from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear, scratch_rows
+from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear, scratch_words
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -56,7 +56,7 @@ class CpuDecoder:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         x, qkv, attn, h = empty(c.hidden_size), empty(q_size + 2 * kv_size), empty(q_size), empty(c.hidden_size)
         gate_up, act = empty(2 * c.intermediate_size), empty(c.intermediate_size)
-        xb = torch.empty(scratch_rows(rows) * -(-max(c.hidden_size, q_size, c.intermediate_size) // 2)
+        xb = torch.empty(scratch_words(rows, max(c.hidden_size, q_size, c.intermediate_size))
                          if self.weights_kind else 1, dtype=torch.int32)
         shape = DecoderShape(rows, c.hidden_size, len(layers), c.num_heads, c.num_kv_heads, c.head_dim,
                              c.intermediate_size, kv.shape[3], plan.pages.shape[1], self.weights_kind,

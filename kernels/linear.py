@@ -109,9 +109,10 @@ def panel_amx_min_rows(rows: int | None = None) -> int:
     return shipped
 
 
-def scratch_rows(rows: int) -> int:
-    """Rows of the bf16 GEMMs' scratch: whole groups of 16 (AMX tiles read 16 rows)."""
-    return -(-rows // 16) * 16
+def scratch_words(rows: int, k: int) -> int:
+    """int32 words of the bf16 and int8 GEMMs' scratch for `rows` rows of k: the rows in bf16 pairs,
+    whole groups of 16 (AMX tiles read 16 rows), and int16 rows' scales (a row and group of 32 k)."""
+    return -(-rows // 16) * 16 * -(-k // 2) + rows * -(-k // 32)
 
 
 class Bf16PanelLinear:
@@ -139,7 +140,7 @@ class Bf16PanelLinear:
         m, k = rows.shape
         y = torch.empty((m, weight.out_features), dtype=torch.float32)
         if m:
-            scratch = torch.empty(scratch_rows(m) * -(-k // 2), dtype=torch.int32)
+            scratch = torch.empty(scratch_words(m, k), dtype=torch.int32)
             rc = self._kernel(rows.data_ptr(), rows.stride(0), weight.panels.data_ptr(), m, weight.out_features, k,
                               y.data_ptr(), scratch.data_ptr())
             if rc != 0:
@@ -152,7 +153,7 @@ class Bf16PanelLinear:
         return bool(self._library.panel_gemm_amx_ready())
 
     def runs_here(self) -> bool:
-        x, y, s = torch.ones(1, 2), torch.empty(1, 1), torch.empty(1, dtype=torch.int32)
+        x, y, s = torch.ones(1, 2), torch.empty(1, 1), torch.empty(scratch_words(1, 2), dtype=torch.int32)
         w = self.prepare(torch.ones(1, 2))
         return self._kernel(x.data_ptr(), 2, w.panels.data_ptr(), 1, 1, 2, y.data_ptr(), s.data_ptr()) == 0
 

@@ -59,17 +59,32 @@ def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp, tiles):
     assert ((y.double() - want).abs() <= inp * 2 ** -23 * scale + 1e-6).all()
 
 
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as csrc/panel_gemm.c's rows_to_i16 makes it (fp32 arithmetic, round half to even), in fp64."""
+    rows, inp = x.shape
+    groups = -(-inp // INT8_GROUP)
+    padded = torch.nn.functional.pad(x, (0, groups * INT8_GROUP - inp)).view(rows, groups, INT8_GROUP)
+    top = padded.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.tensor(0.0))
+    q = (padded * inv).round().clamp(-32768, 32767)
+    return (q.double() * (top / 32767).double()).view(rows, -1)[:, :inp]
+
+
 @needs_bf16
-@pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (8, 100, 31), (17, 1000, 576), (130, 50, 1536)])
-@pytest.mark.parametrize("tiles", ["vdpbf16ps", "amx"])
+@pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (3, 96, 64), (5, 100, 31), (8, 100, 31), (17, 1000, 576),
+                                          (130, 50, 1536)])
+@pytest.mark.parametrize("tiles", ["int16", "amx"])
 def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, inp, tiles):
-    """In registers (vdpbf16ps) and on the tiles (each panel made bf16 first), from the first row."""
+    """Off the tiles: the rows in int16 with a scale per 32 k, times q * s exactly (int32 sums per
+    group, then fp32). On the tiles (each panel made bf16 first, from the first row): bf16 rows
+    times bf16(q * s)."""
     if tiles == "amx" and not Bf16PanelLinear().amx_ready():
         pytest.skip("this CPU (or kernel) gives no AMX tiles")
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen)
     w[3] = 0  # an all-zero row: its scales must not divide by zero
     w[5, :INT8_GROUP] *= 1000  # one large group: the row's other groups keep their own scales
+    x[0, -min(inp, INT8_GROUP):] *= 1e-3  # a row's small group keeps its own int16 scale
     rest = x.clone()
     rest[:, :INT8_GROUP] = 0  # rows that miss the large group
     lin = Int8PanelLinear()
@@ -84,10 +99,13 @@ def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, i
     scale = padded.abs().amax(dim=2, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
     q = (padded / scale).round().clamp(-127, 127)
     assert (q.abs() == 127).any(dim=2)[:3].all()  # every nonzero group reaches the full range
-    weight = (q * scale).view(out, -1)[:, :inp].bfloat16().double()  # bf16(q * s), as in registers
-    xb = x.bfloat16().double()
-    want = xb @ weight.T
-    bound = inp * 2 ** -23 * (xb.abs() @ weight.abs().T) + 1e-6
+    weight = (q * scale).view(out, -1)[:, :inp]
+    if tiles == "amx":
+        weight, xr = weight.bfloat16().double(), x.bfloat16().double()  # bf16(q * s), as the tiles take it
+    else:
+        weight, xr = weight.double(), int16_rows(x)
+    want = xr @ weight.T
+    bound = inp * 2 ** -23 * (xr.abs() @ weight.abs().T) + 1e-6
     assert ((y.double() - want).abs() <= bound).all()
     assert (y[:, 3] == 0).all()
     if inp > INT8_GROUP:  # row 5's other groups keep their weights; one scale a row would zero them
@@ -95,6 +113,23 @@ def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, i
         coarse = rest.double() @ ((w / per_channel).round() * per_channel).double().T
         exact = rest.double() @ w.double().T
         assert (y_rest.double() - exact)[:, 5].abs().mean() < (coarse - exact)[:, 5].abs().mean() / 10
+
+
+@needs_bf16
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_panel_gemm_on_int16_rows_gives_nan_for_a_row_with_nan_or_inf(bad):
+    """A row's int16 scale stands for its group's largest |x|: a NaN or an infinity there makes the
+    row's outputs NaN (fp32's would be NaN or infinite), never finite; the other rows keep theirs."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 100, generator=gen), torch.randn(50, 100, generator=gen)
+    x[1, 40] = bad
+    lin = Int8PanelLinear()
+    shipped = panel_amx_min_rows(0)
+    try:
+        y = lin(x, lin.prepare(w))
+    finally:
+        panel_amx_min_rows(shipped)
+    assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
 
 
 AMX_READY = ("from kernels import greedy_head, linear; from kernels.cbuild import load; "

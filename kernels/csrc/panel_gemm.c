@@ -106,7 +106,7 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
     return 0;
 }
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 /* The same for bf16 or int8 weights: panels of 48 columns, each [K2][48][2] (K2 = ceil(K / 2), k
  * in pairs, the odd last k zero-padded), so a step of k2 is 16 columns x 2 k per vdpbf16ps
  * operand, three of them: 192 bytes in bf16 (as a step of k in fp32), 96 in int8. The rows are
@@ -227,6 +227,113 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad
     }
 }
 
+/* int8 panels off the tiles take the rows as int16 instead, with a scale per row and group of 32 k
+ * (the largest |x| / 32767, round to nearest): vpdpwssd multiplies 16 columns x 2 k of int16 rows
+ * and sign-extended weights into int32 in one instruction, where making bf16(q * s) of them took
+ * nine (docs/cpu.md: the 1-row step was bound by that arithmetic, not by the int8 it reads). A
+ * group's int32 sums (at most 32 x 127 x 32768, exact) become fp32 once, times both scales. An
+ * int16 row with a scale per 32 k errs by at most 1/65534 of its group's largest |x|, below bf16's
+ * rounding of every element but the smallest; the weights are q * s exactly. */
+enum { ROWS16 = 4 }; /* 12 int32 and 12 fp32 accumulators */
+
+/* x [M, K] as int16 pairs, xq [M, K2] (zero past k_dim), and their scales xs [M, groups]; a group
+ * holding a NaN or an infinity gets a NaN scale, so its outputs are NaN as fp32's would be. */
+static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m_dim * groups; i++) {
+        const int64_t m = i / groups, k = i % groups * 2 * GROUP2;
+        __m512 v[2];
+        __mmask16 out[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t at = k + 16 * h, left = k_dim - at, room = 2 * k2_dim - at;
+            v[h] = _mm512_maskz_loadu_ps(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1),
+                                         x + m * ldx + at);
+            out[h] = room >= 16 ? 0xFFFF : room <= 0 ? 0 : (__mmask16)((1u << room) - 1);
+        }
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const int nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) || _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
+        const int finite = !nan && top <= 3.4028235e38f;
+        const float inv = finite && top > 0 ? 32767.0f / top : 0.0f;
+        xs[i] = finite ? top / 32767.0f : __builtin_nanf("");
+        uint16_t *row = (uint16_t *)(xq + m * k2_dim);
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+            _mm256_mask_storeu_epi16(row + k + 16 * h, out[h], _mm512_cvtsepi32_epi16(q));
+        }
+    }
+}
+
+/* k2 steps [k0, k1) (whole groups but for the last) of one tile of up to ROWS16 rows, as tile_pairs. */
+static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, const float *xs, int64_t k2_dim,
+                                                          const char *w, const float *scale, int64_t n, int64_t k0,
+                                                          int64_t k1, int64_t cols, int rows, int64_t ahead, float *y)
+{
+    const int64_t step = 2 * PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
+    __m512 acc[ROWS16][3];
+    const __mmask16 mask[3] = {
+        cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1),
+        cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1),
+        cols >= 48 ? 0xFFFF : cols <= 32 ? 0 : (__mmask16)((1u << (cols - 32)) - 1)};
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+    const char *wk = w + k0 * step;
+    for (int64_t g0 = k0; g0 < k1; g0 += GROUP2) {
+        const int64_t g1 = k1 - g0 < GROUP2 ? k1 : g0 + GROUP2, g = g0 / GROUP2;
+        __m512i sum[ROWS16][3];
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < 3; j++)
+                sum[m][j] = _mm512_setzero_si512();
+        for (int64_t k = g0; k < g1; k++, wk += step) {
+            _mm_prefetch(wk + ahead * step, _MM_HINT_T0);
+            _mm_prefetch(wk + ahead * step + 64, _MM_HINT_T0);
+            __m512i wj[3];
+            for (int j = 0; j < 3; j++)
+                wj[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wk + 32 * j)));
+            for (int m = 0; m < rows; m++) {
+                const __m512i xv = _mm512_set1_epi32((int)xq[m * k2_dim + k]);
+                for (int j = 0; j < 3; j++)
+                    sum[m][j] = _mm512_dpwssd_epi32(sum[m][j], xv, wj[j]);
+            }
+        }
+        for (int j = 0; j < 3; j++) {
+            const __m512 s = _mm512_loadu_ps(scale + g * PANEL + 16 * j);
+            for (int m = 0; m < rows; m++) {
+                const __m512 both = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * groups + g]));
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][j]), both, acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
+}
+
+/* One int8 panel, all rows, on int16 rows: as panel_pairs. */
+static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const float *scale, int64_t m_dim,
+                      int64_t n, int64_t k2_dim, int64_t col, float *y)
+{
+    const int64_t cols = n - col < PANEL ? n - col : PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
+    const int64_t kblock = m_dim > ROWS16 ? KBLOCK : k2_dim; /* KBLOCK: whole groups */
+    for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
+        const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
+        for (int64_t row = 0; row < m_dim; row += ROWS16) {
+            const int64_t ahead = row == 0 ? 64 : kblock; /* k2 steps: 6 KB (8 left 1 row waiting on memory) */
+            const uint32_t *xr = xq + row * k2_dim;
+            const float *sr = xs + row * groups;
+            float *yr = y + row * n + col;
+            switch (m_dim - row < ROWS16 ? m_dim - row : ROWS16) {
+            case 1: tile_i16(xr, sr, k2_dim, w, scale, n, k0, k1, cols, 1, ahead, yr); break;
+            case 2: tile_i16(xr, sr, k2_dim, w, scale, n, k0, k1, cols, 2, ahead, yr); break;
+            case 3: tile_i16(xr, sr, k2_dim, w, scale, n, k0, k1, cols, 3, ahead, yr); break;
+            default: tile_i16(xr, sr, k2_dim, w, scale, n, k0, k1, cols, 4, ahead, yr); break;
+            }
+        }
+    }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
 
@@ -318,7 +425,8 @@ static void dequantize_panel(const char *w, const float *scale, int64_t k2_dim, 
     }
 }
 
-/* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16). */
+/* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16), and M more
+ * rows of ceil(K2 / GROUP2) (int16 rows' scales). */
 static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *scale, int64_t m_dim, int64_t n,
                       int64_t k_dim, float *y, uint32_t *xb)
 {
@@ -326,18 +434,25 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *s
     const int64_t panel_bytes = PANEL * 2 * k2_dim * (scale ? 1 : 2);
     const int tiles = panel_amx_min_rows > 0 && m_dim >= panel_amx_min_rows && k2_dim >= AMX_K2 && amx_permitted();
     const int64_t pad_rows = tiles ? (m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m_dim;
+    const int i16 = scale && !tiles;
+    float *xs = (float *)(xb + m_dim * k2_dim);
 #pragma omp parallel
     {
         /* int8 panels go to the tiles as bf16, one panel at a time (without room: vdpbf16ps). */
         char *as_bf16 = tiles && scale ? malloc(4 * PANEL * k2_dim) : NULL;
-        rows_to_bf16(x, ldx, m_dim, pad_rows, k_dim, xb);
+        if (i16)
+            rows_to_i16(x, ldx, m_dim, k_dim, xb, xs);
+        else
+            rows_to_bf16(x, ldx, m_dim, pad_rows, k_dim, xb);
         if (tiles)
             amx_configure();
 #pragma omp for schedule(dynamic)
         for (int64_t p = 0; p < panels; p++) {
             const char *panel_w = w + p * panel_bytes;
             const float *panel_scale = scale ? scale + p * groups * PANEL : NULL;
-            if (tiles && n - p * PANEL >= PANEL && (!scale || as_bf16)) {
+            if (i16) {
+                panel_i16(xb, xs, panel_w, panel_scale, m_dim, n, k2_dim, p * PANEL, y);
+            } else if (tiles && n - p * PANEL >= PANEL && (!scale || as_bf16)) {
                 if (scale)
                     dequantize_panel(panel_w, panel_scale, k2_dim, as_bf16);
                 panel_amx(xb, scale ? as_bf16 : panel_w, m_dim, n, k2_dim, p * PANEL, y);
@@ -353,8 +468,8 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *s
 }
 
 /* x fp32 [M, K] (row stride ldx), w bf16 panels as above, y fp32 [M, N]. xb: the caller's scratch
- * for the rows in bf16 pairs, ceil(M / 16) * 16 * ceil(K / 2) uint32 (the tiles read whole groups
- * of 16 rows). */
+ * for the rows, ceil(M / 16) * 16 * ceil(K / 2) + M * ceil(K / 32) uint32 (the tiles read whole
+ * groups of 16 rows in bf16 pairs; int16 rows take M of them and their scales). */
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
 {
@@ -362,7 +477,8 @@ int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_di
 }
 
 /* The same for int8 panels, followed in the same buffer by their fp32 scales [panels][groups][48]
- * (a scale per column and 32 k): y[m, j] = sum_k bf16(x[m, k]) bf16(q[j, k] * scale[j, k / 32]). */
+ * (a scale per column and 32 k): on the tiles y[m, j] = sum_k bf16(x[m, k]) bf16(q[j, k] *
+ * scale[j, k / 32]), elsewhere the int16 rows' sum (rows_to_i16). */
 int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
                   uint32_t *xb)
 {
