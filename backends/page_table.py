@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.host_pack import IntPack
+from kernels.host_pack import scatter
 
 
 @dataclass
@@ -78,13 +78,8 @@ class DevicePageTable:
 
     def write(self, at: list[int], pages: list[int], packed: bool) -> None:
         """The writes `assign` gave, in one copy and one scatter on the current stream."""
-        if not at:
-            return
-        pack = IntPack(self.table.device, packed)
-        pack.add("at", at, torch.long)
-        pack.add("pages", pages, torch.int32)
-        t = pack.send()
-        self.table.view(-1).index_copy_(0, t["at"], t["pages"])
+        if at:
+            scatter(self.table.view(-1), at, pages, packed)
 
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
         """[len(indices), width] int32: the rows of a step's sequences (on the device)."""

@@ -20,7 +20,7 @@ from backends.page_table import DevicePageTable
 from backends.request import Request, SamplingParams
 from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
-from kernels.host_pack import IntPack
+from kernels.host_pack import IntPack, scatter
 from kernels.torch_ref import TorchAttention
 
 
@@ -241,11 +241,7 @@ class ModelRunner:
         small copy; and those fed from the earlier step's tokens on the device."""
         if step.futures:
             index = [i for i, _ in step.futures]
-            pack = IntPack(self.device, self.packed)
-            pack.add("index", index, torch.long)
-            pack.add("tokens", [step.ids[i] for i in index], torch.long)
-            t = pack.send()
-            ids.index_copy_(0, t["index"], t["tokens"])
+            scatter(ids, index, [step.ids[i] for i in index], self.packed)
         for tokens, index, rows in step.fed:
             pack = IntPack(self.device, self.packed)
             pack.add("index", index, torch.long)

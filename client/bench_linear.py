@@ -14,7 +14,7 @@ prepacked (torch.ops.mkldnn._reorder_linear_weight for the row count, then
 _linear_pointwise), the same prepacked product under fp32 rows, the project's bf16-weight
 panel GEMM (Bf16PanelLinear) on vdpbf16ps alone and on AMX tiles alone, its int8 form
 (Int8PanelLinear) on int16 rows (vpdpwssd) alone and on the tiles alone (the engine switches to
-the tiles from csrc/panel_gemm.c's panel_amx_min_rows rows), and torch's weight-only int8
+the tiles from csrc/panel_gemm.c's panel_amx_min_rows rows, _i8 for int8), and torch's weight-only int8
 matmul (aten._weight_int8pack_mm, per-channel scales). The bf16 library rows take bf16
 activations ready (a model held in bf16), except "fp32 rows", which rounds fp32 rows to bf16
 and makes its bf16 output fp32 again (what this fp32-activation model would run); the panel
@@ -51,12 +51,14 @@ def options(rows: int) -> dict:
 
     def tiles(linear, from_rows: int):
         """The panel GEMM with its AMX tiles from `from_rows` rows (0: never)."""
+        int8 = linear.kind == 2
+
         def call(x, w):
-            shipped = panel_amx_min_rows(from_rows)
+            shipped = panel_amx_min_rows(from_rows, int8)
             try:
                 return linear(x, w)
             finally:
-                panel_amx_min_rows(shipped)
+                panel_amx_min_rows(shipped, int8)
         return call
 
     def int8(w):

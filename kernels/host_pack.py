@@ -83,3 +83,12 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def scatter(target: torch.Tensor, index: list[int], values: list[int], packed: bool | None = None) -> None:
+    """target[index] = values for a 1-D device tensor: both lists in one copy (IntPack's packing)."""
+    pack = IntPack(target.device, packed)
+    pack.add("index", index, torch.long)
+    pack.add("values", values, target.dtype)
+    t = pack.send()
+    target.index_copy_(0, t["index"], t["values"])

@@ -97,12 +97,13 @@ class PanelLinear:
         return self._kernel(x.data_ptr(), 1, w.panels.data_ptr(), 1, 1, 1, y.data_ptr()) == 0
 
 
-def panel_amx_min_rows(rows: int | None = None) -> int:
-    """The row count from which the bf16 panel GEMM runs on AMX tiles (csrc/panel_gemm.c; 0: never):
-    returned, then set to `rows` where given (client.bench_linear times each side of it)."""
+def panel_amx_min_rows(rows: int | None = None, int8: bool = False) -> int:
+    """The row count from which the bf16 (or int8) panel GEMM runs on AMX tiles (csrc/panel_gemm.c;
+    0: never): returned, then set to `rows` where given (client.bench_linear times each side of it)."""
     from kernels import cbuild
 
-    value = ctypes.c_int.in_dll(cbuild.load("panel_gemm", SIGNATURES), "panel_amx_min_rows")
+    name = "panel_amx_min_rows_i8" if int8 else "panel_amx_min_rows"
+    value = ctypes.c_int.in_dll(cbuild.load("panel_gemm", SIGNATURES), name)
     shipped = value.value
     if rows is not None:
         value.value = rows

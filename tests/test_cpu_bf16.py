@@ -88,12 +88,12 @@ def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, i
     rest = x.clone()
     rest[:, :INT8_GROUP] = 0  # rows that miss the large group
     lin = Int8PanelLinear()
-    shipped = panel_amx_min_rows(1 if tiles == "amx" else 0)
+    shipped = panel_amx_min_rows(1 if tiles == "amx" else 0, int8=True)
     try:
         packed = lin.prepare(w)
         y, y_rest = lin(x, packed), lin(rest, packed)
     finally:
-        panel_amx_min_rows(shipped)
+        panel_amx_min_rows(shipped, int8=True)
     groups = -(-inp // INT8_GROUP)
     padded = torch.nn.functional.pad(w, (0, groups * INT8_GROUP - inp)).view(out, groups, INT8_GROUP)
     scale = padded.abs().amax(dim=2, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
@@ -124,11 +124,11 @@ def test_int8_panel_gemm_on_int16_rows_gives_nan_for_a_row_with_nan_or_inf(bad):
     x, w = torch.randn(3, 100, generator=gen), torch.randn(50, 100, generator=gen)
     x[1, 40] = bad
     lin = Int8PanelLinear()
-    shipped = panel_amx_min_rows(0)
+    shipped = panel_amx_min_rows(0, int8=True)
     try:
         y = lin(x, lin.prepare(w))
     finally:
-        panel_amx_min_rows(shipped)
+        panel_amx_min_rows(shipped, int8=True)
     assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
 
 

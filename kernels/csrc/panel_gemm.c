@@ -22,7 +22,7 @@
 
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
 /* Built without AMX tiles (or without the AVX-512 BF16 GEMM they serve): never tiles. */
-int panel_amx_min_rows = 0;
+int panel_amx_min_rows = 0, panel_amx_min_rows_i8 = 0;
 int panel_gemm_amx_ready(void) { return 0; }
 #endif
 
@@ -339,7 +339,9 @@ static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const 
 
 enum { AMX_ROWS = 16, AMX_K2 = 16 };
 
-int panel_amx_min_rows = 8; /* the row count from which the tiles run (docs/cpu.md); client.bench_linear sets it */
+/* The row counts from which bf16 and int8 panels run on the tiles (docs/cpu.md); client.bench_linear
+ * sets them. int8 panels are made bf16 for the tiles, which the int16 rows' path need not do. */
+int panel_amx_min_rows = 8, panel_amx_min_rows_i8 = 16;
 
 int panel_gemm_amx_ready(void) { return amx_permitted(); }
 
@@ -432,7 +434,8 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *s
 {
     const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
     const int64_t panel_bytes = PANEL * 2 * k2_dim * (scale ? 1 : 2);
-    const int tiles = panel_amx_min_rows > 0 && m_dim >= panel_amx_min_rows && k2_dim >= AMX_K2 && amx_permitted();
+    const int from = scale ? panel_amx_min_rows_i8 : panel_amx_min_rows;
+    const int tiles = from > 0 && m_dim >= from && k2_dim >= AMX_K2 && amx_permitted();
     const int64_t pad_rows = tiles ? (m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m_dim;
     const int i16 = scale && !tiles;
     float *xs = (float *)(xb + m_dim * k2_dim);
