@@ -31,6 +31,26 @@ int panel_gemm_amx_ready(void) { return 0; }
 
 enum { PANEL = 48, ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
+/* The masks of a panel's three parts of 16 columns for its first `cols`, and a tile's
+ * accumulators: zero when k0 == 0, else what y holds (the k blocks before). */
+static inline __attribute__((always_inline)) void start_tile(__m512 (*acc)[3], __mmask16 mask[3], int rows,
+                                                            int64_t cols, int64_t k0, const float *y, int64_t n)
+{
+    for (int j = 0; j < 3; j++)
+        mask[j] = cols >= 16 * (j + 1) ? 0xFFFF : cols <= 16 * j ? 0 : (__mmask16)((1u << (cols - 16 * j)) - 1);
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+}
+
+static inline __attribute__((always_inline)) void store_tile(__m512 (*acc)[3], const __mmask16 mask[3], int rows,
+                                                            float *y, int64_t n)
+{
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
+}
+
 /* Accumulates k in [k0, k1) of one 8-row tile into y (which it starts from zero when
  * k0 == 0). rows: 1..ROWS, a constant after inlining, so acc[][] lives in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *w, int64_t n,
@@ -38,13 +58,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
                                                       int64_t ahead, float *y)
 {
     __m512 acc[ROWS][3];
-    const __mmask16 mask[3] = {
-        cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1),
-        cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1),
-        cols >= 48 ? 0xFFFF : cols <= 32 ? 0 : (__mmask16)((1u << (cols - 32)) - 1)};
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+    __mmask16 mask[3];
+    start_tile(acc, mask, rows, cols, k0, y, n);
     const float *wk = w + k0 * PANEL;
     for (int64_t k = k0; k < k1; k++, wk += PANEL) {
         _mm_prefetch((const char *)(wk + ahead), _MM_HINT_T0);
@@ -60,9 +75,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
             acc[m][2] = _mm512_fmadd_ps(xv, w2, acc[m][2]);
         }
     }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
+    store_tile(acc, mask, rows, y, n);
 }
 
 /* One panel (w points at it), all rows: k in blocks of KBLOCK, and within a block every
@@ -145,13 +158,8 @@ static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb,
 {
     const int64_t step = i8 ? 2 * PANEL : 4 * PANEL, part = step / 3;
     __m512 acc[ROWS][3];
-    const __mmask16 mask[3] = {
-        cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1),
-        cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1),
-        cols >= 48 ? 0xFFFF : cols <= 32 ? 0 : (__mmask16)((1u << (cols - 32)) - 1)};
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+    __mmask16 mask[3];
+    start_tile(acc, mask, rows, cols, k0, y, n);
     __m512 s_lo[3], s_hi[3];
     for (int j = 0; j < 3; j++)
         s_lo[j] = s_hi[j] = _mm512_setzero_ps(); /* bf16 panels: never read */
@@ -170,9 +178,7 @@ static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb,
             acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xv, w2);
         }
     }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
+    store_tile(acc, mask, rows, y, n);
 }
 
 #define TILE_CASES(I8)                                                                                         \
@@ -272,13 +278,8 @@ static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, c
 {
     const int64_t step = 2 * PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
     __m512 acc[ROWS16][3];
-    const __mmask16 mask[3] = {
-        cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1),
-        cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1),
-        cols >= 48 ? 0xFFFF : cols <= 32 ? 0 : (__mmask16)((1u << (cols - 32)) - 1)};
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
+    __mmask16 mask[3];
+    start_tile(acc, mask, rows, cols, k0, y, n);
     const char *wk = w + k0 * step;
     for (int64_t g0 = k0; g0 < k1; g0 += GROUP2) {
         const int64_t g1 = k1 - g0 < GROUP2 ? k1 : g0 + GROUP2, g = g0 / GROUP2;
@@ -306,9 +307,7 @@ static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, c
             }
         }
     }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            _mm512_mask_storeu_ps(y + m * n + 16 * j, mask[j], acc[m][j]);
+    store_tile(acc, mask, rows, y, n);
 }
 
 /* One int8 panel, all rows, on int16 rows: as panel_pairs. */
