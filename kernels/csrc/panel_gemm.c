@@ -31,13 +31,19 @@ int panel_gemm_amx_ready(void) { return 0; }
 
 enum { PANEL = 48, ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
+/* The first `count` of 16 lanes (none below 1, all from 16). */
+static inline __mmask16 lanes(int64_t count)
+{
+    return count >= 16 ? 0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
+}
+
 /* The masks of a panel's three parts of 16 columns for its first `cols`, and a tile's
  * accumulators: zero when k0 == 0, else what y holds (the k blocks before). */
 static inline __attribute__((always_inline)) void start_tile(__m512 (*acc)[3], __mmask16 mask[3], int rows,
                                                             int64_t cols, int64_t k0, const float *y, int64_t n)
 {
     for (int j = 0; j < 3; j++)
-        mask[j] = cols >= 16 * (j + 1) ? 0xFFFF : cols <= 16 * j ? 0 : (__mmask16)((1u << (cols - 16 * j)) - 1);
+        mask[j] = lanes(cols - 16 * j);
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < 3; j++)
             acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[j], y + m * n + 16 * j);
@@ -225,10 +231,8 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad
     for (int64_t m = 0; m < m_dim; m++) {
         uint16_t *row = (uint16_t *)(xb + m * k2_dim);
         for (int64_t k = 0; k < 2 * k2_dim; k += 16) { /* the tail's loads are masked, the pad zero */
-            const __mmask16 in = k_dim - k >= 16 ? 0xFFFF : (__mmask16)((1u << (k_dim - k)) - 1);
-            const __mmask16 out = 2 * k2_dim - k >= 16 ? 0xFFFF : (__mmask16)((1u << (2 * k2_dim - k)) - 1);
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(in, x + m * ldx + k));
-            _mm256_mask_storeu_epi16(row + k, out, v);
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes(k_dim - k), x + m * ldx + k));
+            _mm256_mask_storeu_epi16(row + k, lanes(2 * k2_dim - k), v);
         }
     }
 }
@@ -251,13 +255,8 @@ static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_di
     for (int64_t i = 0; i < m_dim * groups; i++) {
         const int64_t m = i / groups, k = i % groups * 2 * GROUP2;
         __m512 v[2];
-        __mmask16 out[2];
-        for (int h = 0; h < 2; h++) {
-            const int64_t at = k + 16 * h, left = k_dim - at, room = 2 * k2_dim - at;
-            v[h] = _mm512_maskz_loadu_ps(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1),
-                                         x + m * ldx + at);
-            out[h] = room >= 16 ? 0xFFFF : room <= 0 ? 0 : (__mmask16)((1u << room) - 1);
-        }
+        for (int h = 0; h < 2; h++)
+            v[h] = _mm512_maskz_loadu_ps(lanes(k_dim - k - 16 * h), x + m * ldx + k + 16 * h);
         const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         const int nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) || _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
         const int finite = !nan && top <= 3.4028235e38f;
@@ -266,7 +265,7 @@ static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_di
         uint16_t *row = (uint16_t *)(xq + m * k2_dim);
         for (int h = 0; h < 2; h++) {
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
-            _mm256_mask_storeu_epi16(row + k + 16 * h, out[h], _mm512_cvtsepi32_epi16(q));
+            _mm256_mask_storeu_epi16(row + k + 16 * h, lanes(2 * k2_dim - k - 16 * h), _mm512_cvtsepi32_epi16(q));
         }
     }
 }
