@@ -29,11 +29,12 @@ class EngineConfig:
         "doc": "auto (cuda if present, else cpu; TANDEM_DEVICE overrides auto), cpu, cuda or cuda:N"})
     dtype: str = field(default="auto", metadata={
         "doc": "auto (TANDEM_DTYPE overrides it): cuda bf16; cpu the checkpoint's own dtype where the CPU has "
-               "AVX-512 BF16 (a bf16 or fp16 checkpoint runs in bf16, an fp32 one in fp32), else fp32; float32, "
+               "AVX-512 BF16, or AVX2 without AVX-512 (a bf16 or fp16 checkpoint runs in bf16, an fp32 one in fp32), "
+               "else fp32; float32, "
                "bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations and KV"})
     weights: str = field(default="auto", metadata={
         "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: symmetric int8 weights with a scale per 32 "
-               "weights of a row (as Q8_0), fp32 activations and KV (cpu with AVX-512 BF16)"})
+               "weights of a row (as Q8_0), fp32 activations and KV (cpu with AVX-512 BF16, or AVX2 without AVX-512)"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})
@@ -236,11 +237,14 @@ class EngineConfig:
 
 
 def cpu_has_bf16() -> bool:
+    """Whether the bf16 panel GEMM builds here (kernels/csrc/panel_gemm.c): AVX-512 BF16, or AVX2 and
+    FMA without AVX-512 (a CPU with AVX-512 but not its BF16 has neither form)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
     except OSError:
         return False
+    return "avx512_bf16" in flags or ({"avx2", "fma"} <= flags and "avx512f" not in flags)
 
 
 def cpu_auto_dtype(model_path: str) -> str:

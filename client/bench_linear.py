@@ -12,10 +12,12 @@ Options: the project's fp32 panel GEMM (kernels.linear.PanelLinear), oneDNN's fp
 product (OnednnLinear), torch's bf16 F.linear, oneDNN's bf16 inner product unpacked and
 prepacked (torch.ops.mkldnn._reorder_linear_weight for the row count, then
 _linear_pointwise), the same prepacked product under fp32 rows, the project's bf16-weight
-panel GEMM (Bf16PanelLinear) on vdpbf16ps alone and on AMX tiles alone, its int8 form
-(Int8PanelLinear) on int16 rows (vpdpwssd) alone and on the tiles alone (the engine switches to
+panel GEMM (Bf16PanelLinear) off the tiles alone (vdpbf16ps; with AVX2 alone, fp32 FMAs) and on
+AMX tiles alone, its int8 form (Int8PanelLinear) on int16 rows (vpdpwssd; AVX2: vpmaddwd) alone and
+on the tiles alone (the engine switches to
 the tiles from csrc/panel_gemm.c's panel_amx_min_rows rows, _i8 for int8), and torch's weight-only int8
-matmul (aten._weight_int8pack_mm, per-channel scales). The bf16 library rows take bf16
+matmul (aten._weight_int8pack_mm, per-channel scales). Options that do not run on this CPU (AMX,
+oneDNN's bf16 without AVX-512) are left out. The bf16 library rows take bf16
 activations ready (a model held in bf16), except "fp32 rows", which rounds fp32 rows to bf16
 and makes its bf16 output fp32 again (what this fp32-activation model would run); the panel
 GEMMs take and give fp32 rows, their conversion included.
@@ -65,7 +67,8 @@ def options(rows: int) -> dict:
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.bfloat16()
 
-    return {
+    amx = panel_bf16.runs_here() and panel_bf16.amx_ready()
+    found = {
         "panel fp32 (hand-written)": (panel.prepare, torch.float32, panel),
         "oneDNN fp32": (onednn.prepare, torch.float32, onednn),
         "F.linear bf16": (lambda w: w.bfloat16(), torch.bfloat16, F.linear),
@@ -75,13 +78,17 @@ def options(rows: int) -> dict:
         "oneDNN bf16 prepacked, fp32 rows": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), rows),
                                              torch.float32,
                                              lambda x, w: pointwise(x.bfloat16(), w, None, "none", [], "").float()),
-        "panel bf16 weights, vdpbf16ps (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 0)),
+        "panel bf16 weights, off the tiles (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 0)),
         "panel bf16 weights, AMX tiles (hand-written)": (panel_bf16.prepare, torch.float32, tiles(panel_bf16, 1)),
-        "panel int8 weights, int16 rows on vpdpwssd (hand-written)": (panel_int8.prepare, torch.float32,
+        "panel int8 weights, int16 rows (hand-written)": (panel_int8.prepare, torch.float32,
                                                                       tiles(panel_int8, 0)),
         "panel int8 weights, AMX tiles (hand-written)": (panel_int8.prepare, torch.float32, tiles(panel_int8, 1)),
         "torch int8 weight-only": (int8, torch.bfloat16, lambda x, w: torch.ops.aten._weight_int8pack_mm(x, *w)),
     }
+    runs = {"panel fp32": panel.runs_here(), "panel bf16": panel_bf16.runs_here(), "panel int8": panel_int8.runs_here(),
+            "AMX": amx, "oneDNN bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported()}
+    return {label: option for label, option in found.items()
+            if all(ok for part, ok in runs.items() if part in label)}
 
 
 def step_times(cfg: ModelConfig, rows: int, repeat: int, only: list[str] | None) -> dict:

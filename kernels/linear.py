@@ -1,12 +1,12 @@
 """The matmul every projection of the model goes through, picked once per device and dtype.
 
 `prepare` turns a checkpoint weight [out, in] into what the op reads; `__call__`
-computes x @ weight.T (+ bias). On an AVX-512 CPU in fp32 that is the panel GEMM of
-csrc/panel_gemm.c (its header has the why and the numbers); elsewhere on a CPU it is
-oneDNN's inner product (AVX-512 by ISA on AMD, where MKL takes its AVX2 path), and
-F.linear on a GPU. All of them are full fp32: error against fp64 ~1e-6 relative.
-bf16 weights on a CPU with AVX-512 BF16, and int8 weights (weights int8), are the same
-panel GEMM's bf16 and int8 forms under fp32 rows; from 8 rows the bf16 form runs on AMX
+computes x @ weight.T (+ bias). On a CPU with AVX-512 or AVX2 in fp32 that is the panel GEMM of
+csrc/panel_gemm.c (its header has the why and the numbers; csrc/panel_gemm_avx2.h its AVX2
+form); elsewhere on a CPU it is oneDNN's inner product, and F.linear on a GPU. All of them are
+full fp32: error against fp64 ~1e-6 relative. bf16 weights on a CPU with AVX-512 BF16 (or AVX2
+without AVX-512), and int8 weights (weights int8), are the same panel GEMM's bf16 and int8 forms
+under fp32 rows; from 8 rows the bf16 form runs on AMX
 tiles where the CPU has them (docs/cpu.md: what was measured against oneDNN's bf16 inner
 product, prepacked or not, and torch's int8 weight-only matmul, row count by row count).
 """
@@ -87,12 +87,12 @@ class PanelLinear:
             rc = self._kernel(rows.data_ptr(), rows.stride(0), weight.panels.data_ptr(), rows.shape[0],
                               weight.out_features, rows.shape[1], y.data_ptr())
             if rc != 0:
-                raise RuntimeError("panel_gemm was built without AVX-512")
+                raise RuntimeError("panel_gemm was built without AVX-512 or AVX2")
         y = y.view(*x.shape[:-1], weight.out_features)
         return y if bias is None else y.add_(bias)
 
     def runs_here(self) -> bool:
-        """The library returns -1 where it was compiled without AVX-512."""
+        """The library returns -1 where it was compiled without AVX-512 or AVX2."""
         x, w, y = torch.ones(1, 1), pack(torch.ones(1, 1)), torch.empty(1, 1)  # alive across the call
         return self._kernel(x.data_ptr(), 1, w.panels.data_ptr(), 1, 1, 1, y.data_ptr()) == 0
 
@@ -145,7 +145,7 @@ class Bf16PanelLinear:
             rc = self._kernel(rows.data_ptr(), rows.stride(0), weight.panels.data_ptr(), m, weight.out_features, k,
                               y.data_ptr(), scratch.data_ptr())
             if rc != 0:
-                raise RuntimeError("panel_gemm was built without AVX-512 BF16")
+                raise RuntimeError("panel_gemm was built without AVX-512 BF16 or AVX2")
         y = y.view(*x.shape[:-1], weight.out_features)
         return y if bias is None else y.add_(bias)
 
@@ -205,7 +205,7 @@ def pick_linear(device: torch.device, dtype: torch.dtype, weights: str = "auto")
 
         panel = Int8PanelLinear() if device.type == "cpu" and cbuild.available("panel_gemm", SIGNATURES) else None
         if panel is None or not panel.runs_here():
-            raise ValueError("weights int8 needs a CPU with AVX-512 BF16 (the int8 panel GEMM)")
+            raise ValueError("weights int8 needs a CPU with AVX-512 BF16, or AVX2 without AVX-512 (the int8 panel GEMM)")
         return panel
     if device.type != "cpu":
         return TorchLinear()
@@ -223,6 +223,9 @@ def pick_linear(device: torch.device, dtype: torch.dtype, weights: str = "auto")
             panel = PanelLinear()
             if panel.runs_here():
                 return panel
-    if dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
-        return OnednnLinear()  # oneDNN has no fp16 inner product on CPUs without AVX-512-FP16
+    # oneDNN has no fp16 inner product on CPUs without AVX-512-FP16, nor a bf16 one without AVX-512
+    # (there its primitive fails at the first call; F.linear's own bf16 GEMM runs anywhere).
+    onednn_bf16 = dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if (dtype == torch.float32 or onednn_bf16) and torch.backends.mkldnn.is_available():
+        return OnednnLinear()
     return TorchLinear()

@@ -29,7 +29,14 @@ def bf16_runs_here() -> bool:
     return cbuild.available("panel_gemm", SIGNATURES) and Bf16PanelLinear().runs_here()
 
 
-needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has no AVX-512 BF16")
+needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has no AVX-512 BF16 (nor AVX2 alone)")
+# The AVX-512 form rounds the rows to bf16 (vdpbf16ps's operand); the AVX2 form keeps them fp32.
+ROWS_BF16 = "avx512f" in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+
+
+def as_taken(x: torch.Tensor) -> torch.Tensor:
+    """The rows in fp64 as the bf16 panel GEMM off the tiles multiplies them."""
+    return x.bfloat16().double() if ROWS_BF16 else x.double()
 
 
 @needs_bf16
@@ -38,8 +45,8 @@ needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has no AV
                                           (130, 50, 1536)])
 @pytest.mark.parametrize("tiles", ["vdpbf16ps", "amx"])
 def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp, tiles):
-    """Every product of the rounded row and weight exactly, summed in fp32: within fp32's
-    summation error of the fp64 sum of the same bf16 values; rows with a stride and a bias;
+    """Every product of the row (rounded to bf16 but in the AVX2 form) and the rounded weight,
+    summed in fp32: within fp32's summation error of the fp64 sum of the same values; rows with a stride and a bias;
     on vdpbf16ps alone, and on AMX tiles from the first row (rows short of a group of 16 as zero
     rows; a k tail and a partial last panel take vdpbf16ps within the tiles' call)."""
     if tiles == "amx" and not Bf16PanelLinear().amx_ready():
@@ -53,8 +60,9 @@ def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp, tiles):
         y = lin(x, lin.prepare(w), bias)
     finally:
         panel_amx_min_rows(shipped)
-    want = x.bfloat16().double() @ w.bfloat16().double().T + bias.double()
-    scale = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
+    xr = x.bfloat16().double() if tiles == "amx" else as_taken(x)
+    want = xr @ w.bfloat16().double().T + bias.double()
+    scale = xr.abs() @ w.bfloat16().double().abs().T
     assert y.dtype == torch.float32 and y.shape == (rows, out)
     assert ((y.double() - want).abs() <= inp * 2 ** -23 * scale + 1e-6).all()
 
@@ -330,7 +338,8 @@ def test_the_comparison_fails_when_the_kernel_reads_its_weights_wrong(kind, chec
 
 @needs_bf16
 def test_bench_linear_times_every_option(checkpoint, tmp_path):
-    """client.bench_linear on a tiny shape: every option runs and reports its matmuls."""
+    """client.bench_linear on a tiny shape: every option that runs on this CPU (all but AMX and
+    oneDNN's bf16 without AVX-512) runs and reports its matmuls."""
     import json
 
     from client import bench_linear
@@ -339,4 +348,7 @@ def test_bench_linear_times_every_option(checkpoint, tmp_path):
     report = json.loads(out.read_text())
     assert sorted(report) == ["1", "9"]
     for rows in report.values():
-        assert len(rows) == 11 and all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
+        assert sorted(rows) == sorted(bench_linear.options(1))
+        assert all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
+    amx = Bf16PanelLinear().amx_ready()
+    assert len(rows) == 6 + 2 * amx + 3 * torch.ops.mkldnn._is_mkldnn_bf16_supported()

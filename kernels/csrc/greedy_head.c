@@ -352,4 +352,5 @@ int greedy_head_logits(const float *x, int64_t ldx, const float *w, int64_t has_
     (void)x, (void)ldx, (void)w, (void)has_rows, (void)m_dim, (void)k_dim, (void)ids, (void)n_ids, (void)out;
     return -1;
 }
+int greedy_head_amx_ready(void) { return 0; }
 #endif

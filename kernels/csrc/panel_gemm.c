@@ -502,8 +502,10 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 }
 #endif
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "panel_gemm_avx2.h"
 #else
-/* Built without AVX-512: returns -1 and the caller keeps oneDNN. */
+/* Built without AVX-512 or AVX2: returns -1 and the caller keeps oneDNN. */
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                    float *y)
 {
