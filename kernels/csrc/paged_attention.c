@@ -214,6 +214,48 @@ static inline __attribute__((always_inline)) void attend_avx512(const float *q, 
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Lane j of the result: the sum of v[j]'s lanes (three rounds of pairwise adds for 8 dot products). */
+static inline __m256 sum8(const __m256 v[8])
+{
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* 128-bit halves: lo, hi sums */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* scores_scalar for dim = 8 * DV, 8 tokens at a time: a token's dot product is summed across
+ * lanes with seven others' (the general loop summed each token's alone). */
+static inline __attribute__((always_inline)) void scores_avx2(const float *q, const float *k_cache,
+                                                             const int64_t *offsets, int64_t len, const int DV,
+                                                             int64_t group, float scale, float *scores)
+{
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < len; t0 += 8) {
+        const int n = len - t0 < 8 ? (int)(len - t0) : 8;
+        for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 8; t++)
+            prefetch_row(k_cache, offsets, t, len, 8 * DV);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * 8 * DV;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) {
+                acc[j] = _mm256_setzero_ps();
+                if (j < n) {
+                    const float *k = k_cache + offsets[t0 + j];
+                    for (int c = 0; c < DV; c++)
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + 8 * c), acc[j]);
+                }
+            }
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_mul_ps(sum8(acc), scale_v));
+            memcpy(scores + g * len + t0, out, n * sizeof(float));
+        }
+    }
+}
+#endif
+
 /* One task: `heads` KV heads of one row, each with its `group` query heads; q and out
  * [heads * group, dim], offsets pointing at the first head's row of each slot. */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
@@ -229,6 +271,15 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     for (int64_t h = 0; h < heads; h++) {
         const float *qh = q + h * group * dim;
         float *oh = out + h * group * dim;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        if (dim == 64)
+            scores_avx2(qh, k_cache + h * dim, offsets, len, 8, group, scale, scores);
+        else if (dim == 128)
+            scores_avx2(qh, k_cache + h * dim, offsets, len, 16, group, scale, scores);
+        else if (dim == 32)
+            scores_avx2(qh, k_cache + h * dim, offsets, len, 4, group, scale, scores);
+        else
+#endif
         scores_scalar(qh, k_cache + h * dim, offsets, len, dim, group, scale, scores);
         softmax_rows(scores, group, len);
         weighted_sum_scalar(v_cache + h * dim, offsets, len, dim, group, scores, oh);

@@ -1,7 +1,7 @@
 /* panel_gemm.c's three GEMMs for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2 and 3, Intel
  * client cores): the same packed panels, read with 8-lane vectors, a panel's 48 columns six of
- * them. A register tile is 2 rows (12 accumulators of the 16 registers); past 2 rows k goes in
- * blocks of KBLOCK steps, as in the AVX-512 code, so the other tiles re-read a block from L1.
+ * them. Past 2 rows k goes in blocks of KBLOCK steps, as in the AVX-512 code, so the other tiles
+ * re-read a block from L1.
  *
  * bf16 weights become fp32 in registers: a k pair of a column is one 32-bit word, its high half
  * the odd k's bf16 (the word masked) and its low half the even k's (the word shifted left 16),
@@ -13,7 +13,13 @@
 #include <immintrin.h>
 #include <math.h>
 
-enum { PANEL = 48, ROWS = 2, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
+enum { PANEL = 48, ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
+
+/* A register tile: `rows` rows (1..ROWS) by `vecs` vectors of 8 columns (6: the whole panel, for
+ * 1 or 2 rows; 3: half of it, for up to 4 rows), from the panel's vector j0: at most 12
+ * accumulators of the 16 registers. One or two rows take the panel whole, so its stream is read
+ * once in order; more rows take 4 x 3 tiles, each weight vector loaded serving 4 rows (2 x 6
+ * spilled accumulators in the bf16 form and left 65 % of the FMA rate unused at 16 rows). */
 
 /* The first `count` of 8 lanes, as vmaskmov takes it. */
 static inline __m256i lanes8(int64_t count)
@@ -22,149 +28,176 @@ static inline __m256i lanes8(int64_t count)
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* The masks of a panel's six parts of 8 columns for its first `cols`, and a tile's accumulators:
- * zero when k0 == 0, else what y holds (the k blocks before). */
-static inline __attribute__((always_inline)) void start_tile(__m256 (*acc)[6], __m256i mask[6], int rows,
-                                                            int64_t cols, int64_t k0, const float *y, int64_t n)
+/* A tile's column masks (of the panel's first `cols`) and accumulators: zero when k0 == 0, else
+ * what y holds (the k blocks before); y points at the tile's first row and column. */
+static inline __attribute__((always_inline)) void start_tile(__m256 (*acc)[6], __m256i mask[6], int rows, int vecs,
+                                                            int j0, int64_t cols, int64_t k0, const float *y,
+                                                            int64_t n)
 {
-    for (int j = 0; j < 6; j++)
-        mask[j] = lanes8(cols - 8 * j);
+    for (int j = 0; j < vecs; j++)
+        mask[j] = lanes8(cols - 8 * (j0 + j));
+    const int whole = cols >= 8 * (j0 + vecs);
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 6; j++)
-            acc[m][j] = k0 == 0 ? _mm256_setzero_ps() : _mm256_maskload_ps(y + m * n + 8 * j, mask[j]);
+        for (int j = 0; j < vecs; j++)
+            acc[m][j] = k0 == 0 ? _mm256_setzero_ps()
+                        : whole ? _mm256_loadu_ps(y + m * n + 8 * j)
+                                : _mm256_maskload_ps(y + m * n + 8 * j, mask[j]);
 }
 
+/* vmaskmovps stores are slow on AMD (a tile's 12 of them per k block cost more than its FMAs):
+ * whole vectors take plain stores. */
 static inline __attribute__((always_inline)) void store_tile(__m256 (*acc)[6], const __m256i mask[6], int rows,
-                                                            float *y, int64_t n)
+                                                            int vecs, int j0, int64_t cols, float *y, int64_t n)
 {
+    const int whole = cols >= 8 * (j0 + vecs);
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 6; j++)
-            _mm256_maskstore_ps(y + m * n + 8 * j, mask[j], acc[m][j]);
+        for (int j = 0; j < vecs; j++)
+            if (whole)
+                _mm256_storeu_ps(y + m * n + 8 * j, acc[m][j]);
+            else
+                _mm256_maskstore_ps(y + m * n + 8 * j, mask[j], acc[m][j]);
 }
 
-static inline void prefetch_step(const char *w, int64_t bytes)
+/* ahead 0: none (one or two rows stream the panel in order, which the hardware prefetcher follows:
+ * software prefetches there cost 1 row 12-23 % in fp32). */
+static inline void prefetch_step(const char *w, int64_t bytes, int64_t ahead)
 {
-    for (int64_t b = 0; b < bytes; b += 64)
-        _mm_prefetch(w + b, _MM_HINT_T0);
+    for (int64_t b = 0; ahead && b < bytes; b += 64)
+        __builtin_prefetch(w + b, 0, 3);
 }
 
-/* fp32 panel, k in [k0, k1), rows 1..ROWS (a constant after inlining). */
+/* fp32 panel, k in [k0, k1); rows, vecs and j0 constants after inlining. */
 static inline __attribute__((always_inline)) void tile_f32(const float *x, int64_t ldx, const float *w, int64_t n,
-                                                          int64_t k0, int64_t k1, int64_t cols, int rows,
-                                                          int64_t ahead, float *y)
+                                                          int64_t k0, int64_t k1, int64_t cols, int rows, int vecs,
+                                                          int j0, int64_t ahead, float *y)
 {
     __m256 acc[ROWS][6];
     __m256i mask[6];
-    start_tile(acc, mask, rows, cols, k0, y, n);
-    const float *wk = w + k0 * PANEL;
+    start_tile(acc, mask, rows, vecs, j0, cols, k0, y, n);
+    const float *wk = w + k0 * PANEL + 8 * j0;
     for (int64_t k = k0; k < k1; k++, wk += PANEL) {
-        prefetch_step((const char *)(wk + ahead * PANEL), PANEL * 4);
-        __m256 xv[ROWS];
-        for (int m = 0; m < rows; m++)
-            xv[m] = _mm256_broadcast_ss(x + m * ldx + k);
-        for (int j = 0; j < 6; j++) {
-            const __m256 wj = _mm256_loadu_ps(wk + 8 * j);
-            for (int m = 0; m < rows; m++)
-                acc[m][j] = _mm256_fmadd_ps(xv[m], wj, acc[m][j]);
+        prefetch_step((const char *)(wk + ahead * PANEL), vecs * 32, ahead);
+        __m256 wj[6];
+        for (int j = 0; j < vecs; j++)
+            wj[j] = _mm256_loadu_ps(wk + 8 * j);
+        for (int m = 0; m < rows; m++) {
+            const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+            for (int j = 0; j < vecs; j++)
+                acc[m][j] = _mm256_fmadd_ps(xv, wj[j], acc[m][j]);
         }
     }
-    store_tile(acc, mask, rows, y, n);
+    store_tile(acc, mask, rows, vecs, j0, cols, y, n);
 }
 
 /* bf16 panel ([K2][48][2]), k2 steps [k0, k1); k_dim: the rows' k (an odd last k has no pair). */
 static inline __attribute__((always_inline)) void tile_bf16(const float *x, int64_t ldx, const uint16_t *w,
                                                            int64_t n, int64_t k_dim, int64_t k0, int64_t k1,
-                                                           int64_t cols, int rows, int64_t ahead, float *y)
+                                                           int64_t cols, int rows, int vecs, int j0, int64_t ahead,
+                                                           float *y)
 {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[ROWS][6];
     __m256i mask[6];
-    start_tile(acc, mask, rows, cols, k0, y, n);
-    const uint16_t *wk = w + k0 * 2 * PANEL;
+    start_tile(acc, mask, rows, vecs, j0, cols, k0, y, n);
+    const uint16_t *wk = w + k0 * 2 * PANEL + 16 * j0;
     for (int64_t k = k0; k < k1; k++, wk += 2 * PANEL) {
-        prefetch_step((const char *)(wk + ahead * 2 * PANEL), PANEL * 4);
-        __m256 even[ROWS], odd[ROWS];
-        for (int m = 0; m < rows; m++) {
-            even[m] = _mm256_broadcast_ss(x + m * ldx + 2 * k);
-            odd[m] = 2 * k + 1 < k_dim ? _mm256_broadcast_ss(x + m * ldx + 2 * k + 1) : _mm256_setzero_ps();
-        }
-        for (int j = 0; j < 6; j++) {
+        prefetch_step((const char *)(wk + ahead * 2 * PANEL), vecs * 32, ahead);
+        const int pair = 2 * k + 1 < k_dim;
+        __m256 w_even[6], w_odd[6];
+        for (int j = 0; j < vecs; j++) {
             const __m256i pairs = _mm256_loadu_si256((const __m256i *)(wk + 16 * j));
-            const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-            const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
-            for (int m = 0; m < rows; m++) {
-                acc[m][j] = _mm256_fmadd_ps(even[m], w_even, acc[m][j]);
-                acc[m][j] = _mm256_fmadd_ps(odd[m], w_odd, acc[m][j]);
-            }
+            w_even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+            w_odd[j] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+        }
+        for (int m = 0; m < rows; m++) {
+            const float *xm = x + m * ldx + 2 * k;
+            const __m256 even = _mm256_broadcast_ss(xm), odd = _mm256_set1_ps(pair ? xm[1] : 0.f);
+            for (int j = 0; j < vecs; j++)
+                acc[m][j] = _mm256_fmadd_ps(odd, w_odd[j], _mm256_fmadd_ps(even, w_even[j], acc[m][j]));
         }
     }
-    store_tile(acc, mask, rows, y, n);
+    store_tile(acc, mask, rows, vecs, j0, cols, y, n);
 }
 
 /* int8 panel ([K2][48][2], scales [groups][48]) on int16 rows xq [M, K2] with scales xs [M, groups]:
  * k2 steps [k0, k1), whole groups but for the last. */
 static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, const float *xs, int64_t k2_dim,
                                                           const int8_t *w, const float *scale, int64_t n,
-                                                          int64_t k0, int64_t k1, int64_t cols, int rows,
-                                                          int64_t ahead, float *y)
+                                                          int64_t k0, int64_t k1, int64_t cols, int rows, int vecs,
+                                                          int j0, int64_t ahead, float *y)
 {
     const int64_t groups = (k2_dim + GROUP2 - 1) / GROUP2;
     __m256 acc[ROWS][6];
     __m256i mask[6];
-    start_tile(acc, mask, rows, cols, k0, y, n);
-    const int8_t *wk = w + k0 * 2 * PANEL;
+    start_tile(acc, mask, rows, vecs, j0, cols, k0, y, n);
+    const int8_t *wk = w + k0 * 2 * PANEL + 16 * j0;
     for (int64_t g0 = k0; g0 < k1; g0 += GROUP2) {
         const int64_t g1 = k1 - g0 < GROUP2 ? k1 : g0 + GROUP2, g = g0 / GROUP2;
         __m256i sum[ROWS][6];
         for (int m = 0; m < rows; m++)
-            for (int j = 0; j < 6; j++)
+            for (int j = 0; j < vecs; j++)
                 sum[m][j] = _mm256_setzero_si256();
         for (int64_t k = g0; k < g1; k++, wk += 2 * PANEL) {
-            prefetch_step((const char *)(wk + ahead * 2 * PANEL), 2 * PANEL);
-            __m256i xv[ROWS];
-            for (int m = 0; m < rows; m++)
-                xv[m] = _mm256_set1_epi32((int)xq[m * k2_dim + k]);
-            for (int j = 0; j < 6; j++) {
-                const __m256i wj = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * j)));
-                for (int m = 0; m < rows; m++)
-                    sum[m][j] = _mm256_add_epi32(sum[m][j], _mm256_madd_epi16(xv[m], wj));
+            prefetch_step((const char *)(wk + ahead * 2 * PANEL), vecs * 16, ahead);
+            __m256i wj[6];
+            for (int j = 0; j < vecs; j++)
+                wj[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * j)));
+            for (int m = 0; m < rows; m++) {
+                const __m256i xv = _mm256_set1_epi32((int)xq[m * k2_dim + k]);
+                for (int j = 0; j < vecs; j++)
+                    sum[m][j] = _mm256_add_epi32(sum[m][j], _mm256_madd_epi16(xv, wj[j]));
             }
         }
         for (int m = 0; m < rows; m++) {
             const __m256 row_scale = _mm256_set1_ps(xs[m * groups + g]);
-            for (int j = 0; j < 6; j++) {
-                const __m256 both = _mm256_mul_ps(_mm256_loadu_ps(scale + g * PANEL + 8 * j), row_scale);
+            for (int j = 0; j < vecs; j++) {
+                const __m256 both = _mm256_mul_ps(_mm256_loadu_ps(scale + g * PANEL + 8 * (j0 + j)), row_scale);
                 acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][j]), both, acc[m][j]);
             }
         }
     }
-    store_tile(acc, mask, rows, y, n);
+    store_tile(acc, mask, rows, vecs, j0, cols, y, n);
 }
 
-/* A panel's every row tile over k blocks (a block: k steps for fp32, k2 steps for bf16 and int8);
+/* A panel's every row tile over k blocks (a block: k steps for fp32, k2 steps for bf16 and int8):
  * the first tile of a block streams it in AHEAD steps ahead (6 KB: 32 steps of fp32 or bf16, 64 of
  * int8; 3 KB measured no different within this machine's noise), the others re-read it from L1
- * and fetch the next. */
-#define EACH_TILE(K_DIM, AHEAD, TILE)                                                                               \
+ * and fetch the next. Past 2 rows the tiles are TR rows by TV vectors, the panel in 6 / TV strips.
+ * TILE(R, V, J0) runs one tile at row `row`. */
+#define STRIPS(R, V)                                                                                           \
+    for (int j0 = 0; j0 < 6; j0 += (V))                                                                        \
+        TILE(R, V, j0);
+#define EACH_TILE(K_DIM, AHEAD, TR, TV, TILE)                                                                  \
     const int64_t cols = n - col < PANEL ? n - col : PANEL;                                                   \
-    const int64_t kblock = m_dim > ROWS ? KBLOCK : (K_DIM);                                                   \
+    const int wide = m_dim <= 2;                                                                              \
+    const int64_t kblock = wide ? (K_DIM) : KBLOCK;                                                           \
     for (int64_t k0 = 0; k0 < (K_DIM); k0 += kblock) {                                                        \
         const int64_t k1 = (K_DIM) - k0 < kblock ? (K_DIM) : k0 + kblock;                                     \
-        for (int64_t row = 0; row < m_dim; row += ROWS) {                                                     \
-            const int64_t ahead = row == 0 ? (AHEAD) : kblock;                                                \
+        for (int64_t row = 0; row < m_dim; row += (TR)) {                                                     \
+            const int64_t ahead = wide ? 0 : row == 0 ? (AHEAD) : kblock;                                     \
             float *yr = y + row * n + col;                                                                    \
-            if (m_dim - row >= 2)                                                                             \
-                TILE(2);                                                                                      \
-            else                                                                                              \
-                TILE(1);                                                                                      \
+            switch (wide ? -(int)m_dim : m_dim - row < (TR) ? (int)(m_dim - row) : (TR)) {                    \
+            case -1: TILE(1, 6, 0); break;                                                                    \
+            case -2: TILE(2, 6, 0); break;                                                                    \
+            case 1: STRIPS(1, TV) break;                                                                      \
+            case 2: STRIPS(2, TV) break;                                                                      \
+            case 3: STRIPS(3, TV) break;                                                                      \
+            case 4: STRIPS(4, TV) break;                                                                      \
+            case 5: STRIPS(5, TV) break;                                                                      \
+            default: STRIPS(6, TV) break;                                                                     \
+            }                                                                                                 \
         }                                                                                                     \
     }
 
 static void panel_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                       int64_t col, float *y)
 {
-#define TILE(R) tile_f32(x + row * ldx, ldx, w, n, k0, k1, cols, R, ahead, yr)
-    EACH_TILE(k_dim, 32, TILE)
+#define TILE(R, V, J0) tile_f32(x + row * ldx, ldx, w, n, k0, k1, cols, R, V, J0, ahead, yr + 8 * (J0))
+    if (m_dim <= 4) { /* 3 or 4 rows: 4 x 3 tiles (6 x 2 ones would be a third empty: 1.16x the time) */
+        EACH_TILE(k_dim, 32, 4, 3, TILE)
+    } else {
+        EACH_TILE(k_dim, 32, 6, 2, TILE)
+    }
 #undef TILE
 }
 
@@ -172,8 +205,8 @@ static void panel_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m
                        int64_t col, float *y)
 {
     const int64_t k2_dim = (k_dim + 1) / 2;
-#define TILE(R) tile_bf16(x + row * ldx, ldx, w, n, k_dim, k0, k1, cols, R, ahead, yr)
-    EACH_TILE(k2_dim, 32, TILE)
+#define TILE(R, V, J0) tile_bf16(x + row * ldx, ldx, w, n, k_dim, k0, k1, cols, R, V, J0, ahead, yr + 8 * (J0))
+    EACH_TILE(k2_dim, 32, 4, 2, TILE)
 #undef TILE
 }
 
@@ -181,11 +214,13 @@ static void panel_i16(const uint32_t *xq, const float *xs, const int8_t *w, cons
                       int64_t n, int64_t k2_dim, int64_t col, float *y)
 {
     const int64_t groups = (k2_dim + GROUP2 - 1) / GROUP2;
-#define TILE(R) tile_i16(xq + row * k2_dim, xs + row * groups, k2_dim, w, scale, n, k0, k1, cols, R, ahead, yr)
-    EACH_TILE(k2_dim, 64, TILE) /* KBLOCK: whole groups */
+#define TILE(R, V, J0)                                                                                         \
+    tile_i16(xq + row * k2_dim, xs + row * groups, k2_dim, w, scale, n, k0, k1, cols, R, V, J0, ahead, yr + 8 * (J0))
+    EACH_TILE(k2_dim, 64, 4, 2, TILE) /* KBLOCK: whole groups */
 #undef TILE
 }
 #undef EACH_TILE
+#undef STRIPS
 
 /* x [M, K] as int16 pairs xq [M, K2] (zero past k_dim) and their scales xs [M, groups], as the
  * AVX-512 code's rows_to_i16: a group's largest |x| / 32767, round to nearest even; a NaN or an
