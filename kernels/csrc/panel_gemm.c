@@ -16,6 +16,7 @@
  * 5-10% for 128..2048.
  *
  * x has row stride ldx (floats); w is the packed weight; y is [M, N] contiguous.
+ * A CPU with AVX2 and no AVX-512 runs the same packed panels through panel_gemm_avx2.h.
  */
 #include <stdint.h>
 #include <string.h>
@@ -87,8 +88,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 /* One panel (w points at it), all rows: k in blocks of KBLOCK, and within a block every
  * row tile, so a block is read from memory once and re-read from L1 by the other tiles
  * while the next block streams in. With one tile the block loop is a single pass. */
-static void panel(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
-                  int64_t col, float *y)
+static void panel_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                      int64_t col, float *y)
 {
     const int64_t cols = n - col < PANEL ? n - col : PANEL;
     const int64_t kblock = m_dim > ROWS ? KBLOCK : k_dim;
@@ -111,18 +112,6 @@ static void panel(const float *x, int64_t ldx, const float *w, int64_t m_dim, in
             }
         }
     }
-}
-
-int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
-                   float *y)
-{
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    /* Panels handed out one at a time: when the OS preempts one thread (the server's threads
-     * share these cores), the other takes over the rest of its share instead of waiting. */
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t p = 0; p < panels; p++)
-        panel(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
-    return 0;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -524,5 +513,19 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 {
     (void)x, (void)ldx, (void)w, (void)m_dim, (void)n, (void)k_dim, (void)y, (void)xb;
     return -1;
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                   float *y)
+{
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    /* Panels handed out one at a time: when the OS preempts one thread (the server's threads
+     * share these cores), the other takes over the rest of its share instead of waiting. */
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t p = 0; p < panels; p++)
+        panel_f32(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
+    return 0;
 }
 #endif

@@ -250,16 +250,6 @@ static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_di
     }
 }
 
-int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
-                   float *y)
-{
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t p = 0; p < panels; p++)
-        panel_f32(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
-    return 0;
-}
-
 /* xb: unused (the rows stay fp32). */
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
