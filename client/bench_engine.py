@@ -57,15 +57,15 @@ class Stream:
         self.t0 = time.perf_counter()
         self.stamps: list[float] = []
         self.tokens = 0
+        self.error: str | None = None
         self.on_done = on_done
 
     def __call__(self, out: RequestOutput) -> None:
         if out.token_ids:
             self.stamps.append(time.perf_counter())
             self.tokens += len(out.token_ids)
-        if out.error:
-            raise RuntimeError(out.error)
-        if out.finished:
+        self.error = self.error or out.error
+        if out.finished or out.error:
             self.on_done(self)
 
 
@@ -91,14 +91,18 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
 
     def on_done(stream):  # runs on the engine thread: the next request goes in at once
         done.append(stream)
-        if len(done) == len(prompts):
+        if len(done) == len(prompts) or stream.error:  # a failed request ends the wave
             finished.set()
-        start_next()
+        if not stream.error:
+            start_next()
 
     c0, o0, t0 = busy_ticks(), own_ticks(), time.perf_counter()
     for _ in range(concurrency):
         start_next()
     finished.wait()
+    failed = next((s.error for s in done if s.error), None)
+    if failed:
+        raise RuntimeError(f"a request failed: {failed}")
     wall = max(s.stamps[-1] for s in done) - t0
     foreign = max(0, (busy_ticks() - c0) - (own_ticks() - o0)) / os.sysconf("SC_CLK_TCK")
     tokens = sum(s.tokens for s in done)

@@ -163,3 +163,25 @@ def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):
     assert row == {"error": None, "output_tok_s": 1.0, "rerun": "export cut short"} and len(calls) == 2
     row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "other"), None)
     assert row["error"] and "rerun" not in row and len(calls) == 3
+
+
+def test_engine_bench_wave_ends_on_a_failed_request():
+    """A request that fails (an error output) ends the wave with its error, instead of waiting
+    for requests that will never finish (every bf16 request failed on an AVX2 CPU once)."""
+    import threading
+
+    from backends.request import RequestOutput, SamplingParams
+    from client.bench_engine import wave
+
+    class FailingEngine:
+        def generate(self, ids, params, sink):
+            threading.Thread(target=sink, args=(RequestOutput("r", error="no primitive", finished=True),)).start()
+
+    raised = []
+    runner = threading.Thread(target=lambda: raised.append(pytest.raises(RuntimeError, wave, FailingEngine(),
+                                                                        [[1], [2], [3]], 2, SamplingParams())),
+                              daemon=True)
+    runner.start()
+    runner.join(timeout=30)
+    assert not runner.is_alive(), "the wave waited for requests that had failed"
+    assert "no primitive" in str(raised[0].value)
