@@ -21,7 +21,11 @@ import torch  # noqa: F401  (before any library: see the module docstring)
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# -fno-trapping-math: with GCC's default (-ftrapping-math) a float compare-and-select is a
+# branch, so every loop through vexp.h's clamp (SiLU, the softmax) stayed scalar. It changes
+# no value (no reassociation, no contraction: those are other flags), only whether an FP
+# exception flag is treated as observable, and no kernel reads those flags.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:

@@ -83,3 +83,19 @@ def test_pick_ops():
     assert pick_ops(torch.device("cpu"), torch.float32).name == "cpu"
     assert pick_ops(torch.device("cpu"), torch.bfloat16).name == "torch"
     assert pick_ops(torch.device("cuda"), torch.float32).name == "triton"  # kernels.triton_ops
+
+
+def test_the_exp_loops_vectorize(tmp_path):
+    """SiLU and the softmax go through vexp.h's clamp; built with cbuild's flags both loops
+    must come out as vector code (with GCC's default -ftrapping-math they were scalar)."""
+    import subprocess
+
+    from kernels import cbuild
+
+    for source, line in (("layer_ops.c", "y[i] = g[i] / (1.f + vexp(-g[i]))"), ("paged_attention.c", "vexp(s[t] - max)")):
+        text = (cbuild.CSRC / source).read_text().splitlines()
+        number = next(i for i, ln in enumerate(text, 1) if line in ln)
+        done = subprocess.run(["gcc", *cbuild.FLAGS, "-fopt-info-vec-optimized", str(cbuild.CSRC / source),
+                               "-o", str(tmp_path / "lib.so"), "-lm"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert f"{source}:{number}:" in done.stderr, f"{source}:{number} not vectorized:\n{done.stderr}"
