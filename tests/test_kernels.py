@@ -371,21 +371,22 @@ def test_cpu_random_batches(seed):
 @pytest.mark.parametrize("dim,hkv", [(64, 3), (32, 2), (40, 2)])
 def test_cpu_task_shapes_agree(dim, hkv):
     """A decode row takes all its KV heads in one task when there are at least two rows
-    per thread, one head a task otherwise. One thread gets the first shape and 64
-    threads the second on the same batch (decodes beside a prefill chunk, whose rows
-    always go head by head): both must match the reference and each other bit for bit."""
+    per thread, one head a task otherwise, and one query head a task when rows x KV heads
+    are fewer than two a thread. On the same batch (decodes beside a prefill chunk, whose
+    rows never take every head) 1 thread gets the first shape, 3 the second and 64 the
+    third: all must match the reference and each other bit for bit."""
     meta = make_meta([1, 1, 5, 1, 1], [40, 17, 30, 3, 64], 16, num_pages=20, seed=dim)
     tensors = make_tensors(meta, 20, 3 * hkv, hkv, dim, torch.float32, "cpu", seed=dim)
     before = torch.get_num_threads()
     outs = []
     try:
-        for threads in (1, 64):
+        for threads in (1, 3, 64):
             torch.set_num_threads(threads)
             check_against_reference(cpu_backend(), meta, *tensors, "cpu")
             outs.append(run_backend(cpu_backend(), meta, *tensors)[0])
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_cpu_empty_batch():

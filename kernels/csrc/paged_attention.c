@@ -254,6 +254,48 @@ static inline __attribute__((always_inline)) void scores_avx2(const float *q, co
         }
     }
 }
+
+/* weighted_sum_scalar for dim = 8 * DV with the outputs in registers through the pass over V:
+ * 8 vectors of them a pass (two heads of dim 32, one of 64, half of one of 128). Each output
+ * is the same multiply-add chain over the tokens in order. */
+static inline __attribute__((always_inline)) void weighted_sum_avx2(const float *v_cache, const int64_t *offsets,
+                                                                   int64_t len, const int DV, int64_t group,
+                                                                   const float *scores, float *out)
+{
+    const int cols = DV < 8 ? DV : 8, per_pass = 8 / cols;
+    for (int64_t g0 = 0; g0 < group; g0 += per_pass)
+        for (int c0 = 0; c0 < DV; c0 += cols) {
+            const int heads = group - g0 < per_pass ? (int)(group - g0) : per_pass;
+            __m256 acc[8];
+            for (int i = 0; i < 8; i++)
+                acc[i] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < len; t++) {
+                const float *v = v_cache + offsets[t] + 8 * c0;
+                if (c0 == 0)
+                    prefetch_row(v_cache, offsets, t + PREFETCH, len, 8 * DV);
+                for (int h = 0; h < per_pass; h++)
+                    if (h < heads) {
+                        const __m256 p = _mm256_set1_ps(scores[(g0 + h) * len + t]);
+                        for (int c = 0; c < cols; c++)
+                            acc[h * cols + c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[h * cols + c]);
+                    }
+            }
+            for (int h = 0; h < heads; h++)
+                for (int c = 0; c < cols; c++)
+                    _mm256_storeu_ps(out + (g0 + h) * 8 * DV + 8 * (c0 + c), acc[h * cols + c]);
+        }
+}
+
+/* One KV head's query heads with a head dim of 8 * DV. */
+static inline __attribute__((always_inline)) void attend_avx2(const float *q, const float *k_cache,
+                                                             const float *v_cache, const int64_t *offsets,
+                                                             int64_t len, const int DV, int64_t group, float scale,
+                                                             float *scores, float *out)
+{
+    scores_avx2(q, k_cache, offsets, len, DV, group, scale, scores);
+    softmax_rows(scores, group, len);
+    weighted_sum_avx2(v_cache, offsets, len, DV, group, scores, out);
+}
 #endif
 
 /* One task: `heads` KV heads of one row, each with its `group` query heads; q and out
@@ -269,20 +311,18 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     }
 #endif
     for (int64_t h = 0; h < heads; h++) {
-        const float *qh = q + h * group * dim;
+        const float *qh = q + h * group * dim, *kh = k_cache + h * dim, *vh = v_cache + h * dim;
         float *oh = out + h * group * dim;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-        if (dim == 64)
-            scores_avx2(qh, k_cache + h * dim, offsets, len, 8, group, scale, scores);
-        else if (dim == 128)
-            scores_avx2(qh, k_cache + h * dim, offsets, len, 16, group, scale, scores);
-        else if (dim == 32)
-            scores_avx2(qh, k_cache + h * dim, offsets, len, 4, group, scale, scores);
-        else
+        switch (dim) {
+        case 32: attend_avx2(qh, kh, vh, offsets, len, 4, group, scale, scores, oh); continue;
+        case 64: attend_avx2(qh, kh, vh, offsets, len, 8, group, scale, scores, oh); continue;
+        case 128: attend_avx2(qh, kh, vh, offsets, len, 16, group, scale, scores, oh); continue;
+        }
 #endif
-        scores_scalar(qh, k_cache + h * dim, offsets, len, dim, group, scale, scores);
+        scores_scalar(qh, kh, offsets, len, dim, group, scale, scores);
         softmax_rows(scores, group, len);
-        weighted_sum_scalar(v_cache + h * dim, offsets, len, dim, group, scores, oh);
+        weighted_sum_scalar(vh, offsets, len, dim, group, scores, oh);
     }
 }
 
@@ -297,23 +337,29 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, 
      * are contiguous, so its pass over K streams whole pages in order (30 layers of 192
      * tokens: 16 decodes 8.1 -> 6.9 ms, 8 decodes 2.7 -> 2.2 ms). Rows of a prefill chunk
      * read their context from cache, where one head a task is faster (128 rows over 512
-     * tokens: 45 -> 51 ms when each took every head). The output is the same either way. */
+     * tokens: 45 -> 51 ms when each took every head). With fewer KV heads than 2 a thread
+     * (one decode: 3 KV heads on 2 threads, one thread did two), a task is one query head,
+     * its KV head's rows re-read from cache. The output is the same either way. */
     if (rows == 0) /* nothing to do, and malloc(0) may return NULL */
         return 0;
     const int64_t group = num_heads / num_kv_heads;
     const int whole = rows >= 2 * omp_get_max_threads();
-    int64_t *task_row = malloc(2 * rows * num_kv_heads * sizeof(int64_t)), *task_head = task_row + rows * num_kv_heads;
+    const int64_t per_head = rows * num_kv_heads < 2 * omp_get_max_threads() ? group : 1; /* tasks a KV head */
+    int64_t *task_row = malloc(3 * rows * num_heads * sizeof(int64_t));
     if (!task_row)
         return -1;
+    int64_t *task_head = task_row + rows * num_heads, *task_q = task_head + rows * num_heads;
     int64_t tasks = 0, longest = 1;
     for (int64_t b = 0; b < rows; b++) {
         longest = lens[b] > longest ? lens[b] : longest;
         const int alone = (b == 0 || seqs[b - 1] != seqs[b]) && (b == rows - 1 || seqs[b + 1] != seqs[b]);
         for (int64_t h = 0; h < num_kv_heads; h++)
-            if (h == 0 || !(whole && alone)) {
-                task_row[tasks] = b;
-                task_head[tasks++] = whole && alone ? -1 : h; /* -1: every head */
-            }
+            for (int64_t g = 0; g < per_head; g++)
+                if (h == 0 || !(whole && alone)) {
+                    task_row[tasks] = b;
+                    task_head[tasks] = whole && alone ? -1 : h; /* -1: every head */
+                    task_q[tasks++] = per_head == 1 ? -1 : g;  /* -1: every query head of the KV head */
+                }
     }
     int failed = 0;
 #pragma omp parallel
@@ -332,10 +378,10 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, 
                 continue;
             const int64_t b = task_row[i], h = task_head[i] < 0 ? 0 : task_head[i];
             const int64_t heads = task_head[i] < 0 ? num_kv_heads : 1;
+            const int64_t first_q = h * group + (task_q[i] < 0 ? 0 : task_q[i]);
             slot_offsets(pages + seqs[b] * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
-            const float *qh = q + b * q_stride + h * group * dim;
-            float *oh = out + (b * num_heads + h * group) * dim;
-            attend(qh, k_cache, v_cache, offsets, lens[b], dim, heads, group, scale, scores, oh);
+            attend(q + b * q_stride + first_q * dim, k_cache, v_cache, offsets, lens[b], dim, heads,
+                   task_q[i] < 0 ? group : 1, scale, scores, out + (b * num_heads + first_q) * dim);
         }
         free(scores);
         free(offsets);

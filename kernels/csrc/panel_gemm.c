@@ -32,6 +32,13 @@ int panel_gemm_amx_ready(void) { return 0; }
 
 enum { PANEL = 48, ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
+/* Panels a thread takes at a time: one (see panel_gemm_f32). */
+static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
+{
+    (void)m_dim, (void)panels;
+    return 1;
+}
+
 /* The first `count` of 16 lanes (none below 1, all from 16). */
 static inline __mmask16 lanes(int64_t count)
 {
@@ -521,9 +528,10 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
                    float *y)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    /* Panels handed out one at a time: when the OS preempts one thread (the server's threads
-     * share these cores), the other takes over the rest of its share instead of waiting. */
-#pragma omp parallel for schedule(dynamic)
+    /* Panels handed out as the threads ask (one at a time, or a few contiguous ones: see
+     * panel_chunk): when the OS preempts one thread (the server's threads share these cores),
+     * the other takes over the rest of its share instead of waiting. */
+#pragma omp parallel for schedule(dynamic, panel_chunk(m_dim, panels))
     for (int64_t p = 0; p < panels; p++)
         panel_f32(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;

@@ -12,6 +12,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 
 enum { PANEL = 48, ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
@@ -20,6 +21,16 @@ enum { PANEL = 48, ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 sca
  * accumulators of the 16 registers. One or two rows take the panel whole, so its stream is read
  * once in order; more rows take 4 x 3 tiles, each weight vector loaded serving 4 rows (2 x 6
  * spilled accumulators in the bf16 form and left 65 % of the FMA rate unused at 16 rows). */
+
+/* Panels a thread takes at a time. One or two rows: a thread's share in one contiguous run,
+ * which the hardware prefetcher follows across panels (one panel at a time, the two threads'
+ * panels interleaved, a 1-row step's int8 matmuls took 5.5 ms against 4.8, medians of six
+ * alternated runs; see docs/cpu.md). More rows: one panel at a time, their tiles are compute. */
+static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
+{
+    const int64_t threads = omp_get_max_threads();
+    return m_dim <= 2 ? (panels + threads - 1) / threads : 1;
+}
 
 /* The first `count` of 8 lanes, as vmaskmov takes it. */
 static inline __m256i lanes8(int64_t count)
@@ -256,7 +267,7 @@ int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_di
 {
     (void)xb;
     const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic, panel_chunk(m_dim, panels))
     for (int64_t p = 0; p < panels; p++)
         panel_bf16(x, ldx, w + p * PANEL * 2 * k2_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;
@@ -272,7 +283,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #pragma omp parallel
     {
         rows_to_i16(x, ldx, m_dim, k_dim, xb, xs);
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, panel_chunk(m_dim, panels))
         for (int64_t p = 0; p < panels; p++)
             panel_i16(xb, xs, w + p * PANEL * 2 * k2_dim, scale + p * groups * PANEL, m_dim, n, k2_dim, p * PANEL,
                       y);
