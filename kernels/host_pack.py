@@ -12,9 +12,11 @@ variant of it while serving.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 ALIGN = 16
+NUMPY = {torch.long: np.int64, torch.int32: np.int32}
 
 
 class IntPack:
@@ -65,9 +67,15 @@ class IntPack:
         """The arrays on the device: one copy of the host buffer (into `into` when given, a
         buffer of at least nbytes), or plain tensors when not packed."""
         if not self.packed:
-            return {name: torch.as_tensor(values, dtype=dtype).view(shape).to(self.device)
-                    for name, values, dtype, shape in self.parts}
+            return {name: self._plain(values, dtype, shape) for name, values, dtype, shape in self.parts}
         return self.views(self.copy(self.host(), into))
+
+    def _plain(self, values: list[int] | torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        # A list through numpy: torch.as_tensor(list).view() cost 15 us an array on the 2-vCPU
+        # EPYC, ten arrays a step; numpy's 3 us.
+        if isinstance(values, torch.Tensor) or dtype not in NUMPY:
+            return torch.as_tensor(values, dtype=dtype).view(shape).to(self.device)
+        return torch.from_numpy(np.asarray(values, dtype=NUMPY[dtype]).reshape(shape)).to(self.device)
 
     def copy(self, host: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """host (from host()) to the device without waiting for it: stream-ordered before
