@@ -42,10 +42,15 @@ def _cpu_id() -> bytes:
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))})).encode()
 
 
+def compiler() -> str:
+    """The C compiler the kernels are built with: $CC, else gcc."""
+    return os.environ.get("CC", "gcc")
+
+
 def build(source: Path, out_dir: Path | None = None) -> Path:
     """Compile `source` unless this source, the other sources of its directory, these flags and
     this CPU have a library; its path."""
-    cc = os.environ.get("CC", "gcc")
+    cc = compiler()
     # What it may include: the headers, and the kernels decoder.c compiles into itself.
     others = sorted(p for p in source.parent.iterdir() if p.suffix in (".h", ".c") and p != source)
     headers = b"".join(p.read_bytes() for p in others)

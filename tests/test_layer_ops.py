@@ -88,12 +88,11 @@ def test_pick_ops():
 def test_the_exp_loops_vectorize(tmp_path):
     """SiLU and the softmax go through vexp.h's clamp; built with cbuild's flags both loops
     must come out as vector code (with GCC's default -ftrapping-math they were scalar)."""
-    import os
     import subprocess
 
     from kernels import cbuild
 
-    cc = os.environ.get("CC", "gcc")  # cbuild's compiler
+    cc = cbuild.compiler()
     if "GCC" not in subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.upper():
         pytest.skip(f"{cc} is not GCC: -fopt-info-vec is GCC's")
     for source, line in (("layer_ops.c", "y[i] = g[i] / (1.f + vexp(-g[i]))"), ("paged_attention.c", "vexp(s[t] - max)")):
