@@ -34,7 +34,7 @@ class EngineConfig:
                "bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations and KV"})
     weights: str = field(default="auto", metadata={
         "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: symmetric int8 weights with a scale per 32 "
-               "weights of a row (as Q8_0), fp32 activations and KV (cpu with AVX-512 BF16, or AVX2 without AVX-512)"})
+               "weights of a row (as Q8_0), fp32 activations and KV (cpu with AVX2 and FMA, or AVX-512 BF16)"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})
@@ -236,14 +236,26 @@ class EngineConfig:
         return self.core_turns == "on" or (self.core_turns == "auto" and self.role != "colocated")
 
 
-def cpu_has_bf16() -> bool:
-    """Whether the bf16 panel GEMM builds here (kernels/csrc/panel_gemm.c): AVX-512 BF16, or AVX2 and
-    FMA without AVX-512 (a CPU with AVX-512 but not its BF16 has neither form)."""
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+            return next((set(line.split()) for line in f if line.startswith("flags")), set())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the bf16 and int8 panel GEMMs build here (kernels/csrc/panel_gemm.c): AVX-512 BF16,
+    else AVX2 and FMA (an AVX-512 CPU without its BF16 takes the AVX2 forms)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
+
+
+def cpu_prefers_bf16() -> bool:
+    """Whether `dtype auto` runs a bf16 checkpoint in bf16 here: where the bf16 form was measured
+    ahead of fp32 (AVX-512 BF16; AVX2 without AVX-512). On AVX-512 without its BF16 bf16 would take
+    the 8-lane AVX2 form against fp32's 16-lane AVX-512 one, not measured on such a CPU: fp32."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or ({"avx2", "fma"} <= flags and "avx512f" not in flags)
 
 
@@ -257,7 +269,7 @@ def cpu_auto_dtype(model_path: str) -> str:
     except (OSError, ValueError):
         return "float32"
     own = raw.get("torch_dtype") or raw.get("dtype")
-    return "bfloat16" if own in ("bfloat16", "float16") and cpu_has_bf16() else "float32"
+    return "bfloat16" if own in ("bfloat16", "float16") and cpu_prefers_bf16() else "float32"
 
 
 def parameter_table() -> str:

@@ -71,8 +71,7 @@ class CpuDecoder:
         if rc == -2:
             raise MemoryError("paged attention: no memory for the scores buffer")
         if rc != 0:
-            raise RuntimeError("decoder_layers_f32 was built without AVX-512 or AVX2 "
-                               "(or AVX-512 BF16, for bf16 and int8 weights on an AVX-512 CPU)")
+            raise RuntimeError("decoder_layers_f32 was built without AVX-512 or AVX2 and FMA")
         return h
 
 

@@ -4,9 +4,9 @@
 computes x @ weight.T (+ bias). On a CPU with AVX-512 or AVX2 in fp32 that is the panel GEMM of
 csrc/panel_gemm.c (its header has the why and the numbers; csrc/panel_gemm_avx2.h its AVX2
 form); elsewhere on a CPU it is oneDNN's inner product, and F.linear on a GPU. All of them are
-full fp32: error against fp64 ~1e-6 relative. bf16 weights on a CPU with AVX-512 BF16 (or AVX2
-without AVX-512), and int8 weights (weights int8), are the same panel GEMM's bf16 and int8 forms
-under fp32 rows; from 8 rows the bf16 form runs on AMX
+full fp32: error against fp64 ~1e-6 relative. bf16 weights on a CPU with AVX-512 BF16 (or AVX2:
+an AVX-512 CPU without its BF16 takes the AVX2 forms), and int8 weights (weights int8), are the
+same panel GEMM's bf16 and int8 forms under fp32 rows; from 8 rows the bf16 form runs on AMX
 tiles where the CPU has them (docs/cpu.md: what was measured against oneDNN's bf16 inner
 product, prepacked or not, and torch's int8 weight-only matmul, row count by row count).
 """
@@ -145,7 +145,7 @@ class Bf16PanelLinear:
             rc = self._kernel(rows.data_ptr(), rows.stride(0), weight.panels.data_ptr(), m, weight.out_features, k,
                               y.data_ptr(), scratch.data_ptr())
             if rc != 0:
-                raise RuntimeError("panel_gemm was built without AVX-512 BF16 or AVX2")
+                raise RuntimeError("panel_gemm was built without AVX-512 BF16 or AVX2 and FMA")
         y = y.view(*x.shape[:-1], weight.out_features)
         return y if bias is None else y.add_(bias)
 
@@ -205,7 +205,7 @@ def pick_linear(device: torch.device, dtype: torch.dtype, weights: str = "auto")
 
         panel = Int8PanelLinear() if device.type == "cpu" and cbuild.available("panel_gemm", SIGNATURES) else None
         if panel is None or not panel.runs_here():
-            raise ValueError("weights int8 needs a CPU with AVX-512 BF16, or AVX2 without AVX-512 (the int8 panel GEMM)")
+            raise ValueError("weights int8 needs a CPU with AVX2 and FMA, or AVX-512 BF16 (the int8 panel GEMM)")
         return panel
     if device.type != "cpu":
         return TorchLinear()

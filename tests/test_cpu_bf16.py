@@ -6,6 +6,7 @@ twice it (plus 0.1 % of their scale). The error is measured per kind on transfor
 bf16 that model in bf16; int8 the fp32 model with every matmul weight rounded per group of 32 k to
 int8 and back (the lm_head untied from the embedding, which the engine keeps as it is)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from backends.config import EngineConfig
+from backends.config import EngineConfig, cpu_flags
 from client import gpu_check
 from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
 from kernels import cbuild
@@ -29,9 +30,10 @@ def bf16_runs_here() -> bool:
     return cbuild.available("panel_gemm", SIGNATURES) and Bf16PanelLinear().runs_here()
 
 
-needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has no AVX-512 BF16 (nor AVX2 alone)")
-# The AVX-512 form rounds the rows to bf16 (vdpbf16ps's operand); the AVX2 form keeps them fp32.
-ROWS_BF16 = "avx512f" in next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has neither AVX-512 BF16 nor AVX2 and FMA")
+# The AVX-512 BF16 form rounds the rows to bf16 (vdpbf16ps's operand); the AVX2 form (also an
+# AVX-512 CPU's without its BF16) keeps them fp32.
+ROWS_BF16 = "avx512_bf16" in cpu_flags()
 
 
 def as_taken(x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +179,29 @@ def test_int8_pack_holds_the_group_scales_after_the_panels():
     assert q[0, 16, 0].tolist() == [0, 127]
 
 
+@pytest.mark.parametrize("march, forms", [("skylake-avx512", True), ("cascadelake", True), ("icelake-server", True),
+                                         ("cooperlake", True), ("x86-64", False)])
+def test_avx512_without_its_bf16_builds_the_avx2_forms(march, forms, tmp_path):
+    """Built for AVX-512 without its BF16 (Skylake-SP to Ice Lake), panel_gemm.c has bf16 and int8
+    GEMMs (the AVX2 forms), not the stubs that return -1; built for SSE alone it has only those.
+    Compiled, not run: no such CPU here. A GEMM is one that opens an OpenMP team."""
+    cc = cbuild.compiler()
+    if not shutil.which(cc) or not shutil.which("objdump"):
+        pytest.skip("needs a C compiler and objdump")
+    lib = tmp_path / "panel_gemm.so"
+    flags = [f for f in cbuild.FLAGS if not f.startswith("-march=")]
+    done = subprocess.run([cc, *flags, f"-march={march}", str(cbuild.CSRC / "panel_gemm.c"), "-o", str(lib), "-lm"],
+                          capture_output=True, text=True)
+    if done.returncode and "march" in done.stderr:
+        pytest.skip(f"{cc} does not know -march={march}")
+    assert done.returncode == 0, done.stderr
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                          check=True).stdout
+    for function in ("panel_gemm_bf16", "panel_gemm_i8"):
+        body = code.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
+        assert ("GOMP_parallel" in body) == forms, (march, function, body)
+
+
 def test_bf16_pack_layout():
     """Panels of 48 outputs, k in pairs: element [p, k // 2, j, k % 2] is w[48 p + j, k]."""
     w = torch.arange(50 * 5, dtype=torch.float32).view(50, 5)
@@ -226,7 +251,7 @@ def test_dtype_auto_on_cpu_follows_the_checkpoint_where_the_cpu_has_bf16(tmp_pat
     for own, bf16_cpu, want in [("bfloat16", True, torch.bfloat16), ("float16", True, torch.bfloat16),
                                 ("float32", True, torch.float32), ("bfloat16", False, torch.float32)]:
         (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": own}))
-        monkeypatch.setattr(config, "cpu_has_bf16", lambda: bf16_cpu)
+        monkeypatch.setattr(config, "cpu_prefers_bf16", lambda: bf16_cpu)
         assert EngineConfig(model_path=str(tmp_path), device="cpu").torch_dtype == want, (own, bf16_cpu)
 
 

@@ -43,7 +43,7 @@ static int gemm(const struct decoder_shape *s, const float *x, int64_t ldx, cons
  * (heads + 2 kv_heads) dim], attn [rows, heads dim], h [rows, hidden], gate_up [rows,
  * 2 inter], act [rows, inter], xb: panel_gemm_bf16's scratch for rows of max(hidden, heads dim, inter)
  * (bf16 and int8 weights).
- * Returns 0, -1 without AVX-512 (or AVX-512 BF16 for bf16 and int8 weights; nothing done), or -2 when
+ * Returns 0, -1 without AVX-512 or AVX2 and FMA (nothing done), or -2 when
  * the attention had no memory for its scores. */
 int decoder_layers_f32(const struct decoder_shape *s, float *residual, const int64_t *weights, const float *cos,
                        const float *signed_sin, float *kv, int64_t kv_layer_stride, int64_t v_offset,
