@@ -255,6 +255,17 @@ def test_dtype_auto_on_cpu_follows_the_checkpoint_where_the_cpu_has_bf16(tmp_pat
         assert EngineConfig(model_path=str(tmp_path), device="cpu").torch_dtype == want, (own, bf16_cpu)
 
 
+@pytest.mark.parametrize("flags, builds, auto_bf16", [
+    ({"avx2", "fma"}, True, True),  # AMD Zen 2 and 3
+    ({"avx2", "fma", "avx512f", "avx512bw"}, True, False),  # Skylake-SP to Ice Lake: the AVX2 forms
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, True, True),  # Zen 4, Sapphire Rapids
+    ({"sse4_2"}, False, False)])
+def test_which_cpus_run_bf16_and_which_prefer_it(flags, builds, auto_bf16, monkeypatch):
+    from backends import config
+    monkeypatch.setattr(config, "cpu_flags", lambda: flags)
+    assert (config.cpu_has_bf16(), config.cpu_prefers_bf16()) == (builds, auto_bf16)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint("llama"))

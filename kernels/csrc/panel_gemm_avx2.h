@@ -1,7 +1,7 @@
 /* panel_gemm.c's three GEMMs for CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2 and 3, Intel
- * client cores), and its bf16 and int8 ones for AVX-512 CPUs without its BF16: the same packed panels, read with 8-lane vectors, a panel's 48 columns six of
- * them. Past 2 rows k goes in blocks of KBLOCK steps, as in the AVX-512 code, so the other tiles
- * re-read a block from L1.
+ * client cores), and its bf16 and int8 ones for AVX-512 CPUs without its BF16: the same packed
+ * panels, read with 8-lane vectors, a panel's 48 columns six of them. Past 2 rows k goes in
+ * blocks of KBLOCK steps, as in the AVX-512 code, so the other tiles re-read a block from L1.
  *
  * bf16 weights become fp32 in registers: a k pair of a column is one 32-bit word, its high half
  * the odd k's bf16 (the word masked) and its low half the even k's (the word shifted left 16),
