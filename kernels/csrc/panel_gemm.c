@@ -486,7 +486,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #else
 /* AVX-512 without its BF16 (Skylake-SP, Cascade Lake, Ice Lake): bf16 and int8 weights take the
  * AVX2 forms, the same panels read 8 lanes at a time (the rows stay fp32 and int16, as on an AVX2
- * CPU). The header's names are renamed here so they stand beside this file's AVX-512 ones. */
+ * CPU). The header's names that this file's AVX-512 code also defines are renamed around it. */
 #define PANEL AVX2_PANEL
 #define ROWS AVX2_ROWS
 #define KBLOCK AVX2_KBLOCK
@@ -494,12 +494,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #define panel_chunk avx2_panel_chunk
 #define start_tile avx2_start_tile
 #define store_tile avx2_store_tile
-#define prefetch_step avx2_prefetch_step
-#define tile_f32 avx2_tile_f32
 #define panel_f32 avx2_panel_f32
-#define rows_to_i16 avx2_rows_to_i16
-#define tile_i16 avx2_tile_i16
-#define panel_i16 avx2_panel_i16
 #include "panel_gemm_avx2.h"
 #undef PANEL
 #undef ROWS
@@ -508,12 +503,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #undef panel_chunk
 #undef start_tile
 #undef store_tile
-#undef prefetch_step
-#undef tile_f32
 #undef panel_f32
-#undef rows_to_i16
-#undef tile_i16
-#undef panel_i16
 #endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
