@@ -2,15 +2,14 @@
 logits (first index on ties), barred tokens excluded, on shapes that exercise the padding
 (N not a multiple of 16 or 48, odd K) and the row tiles (1..33 rows), with the screen on
 vdpbf16ps and on the AMX tiles (where the CPU has them)."""
-from pathlib import Path
-
 import pytest
 import torch
 
+from backends.config import cpu_flags
 from kernels.greedy_head import GreedyHead, pick_greedy_head
 from kernels.linear import PanelLinear, pick_linear
 
-CPU_FLAGS = Path("/proc/cpuinfo").read_text()
+CPU_FLAGS = cpu_flags()
 HAS_BF16 = "avx512_bf16" in CPU_FLAGS
 HAS_AMX = "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with AVX-512 BF16")

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.config import cpu_has_bf16
+from backends.config import cpu_flags, cpu_has_bf16
 from kernels.linear import PANEL, OnednnLinear, PanelLinear, TorchLinear, pick_linear
 
-FLAGS = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+FLAGS = cpu_flags()
 HAS_PANEL = "avx512f" in FLAGS or {"avx2", "fma"} <= FLAGS
 HAS_PANEL_BF16 = cpu_has_bf16()
 needs_panel = pytest.mark.skipif(not HAS_PANEL, reason="panel GEMM needs AVX-512 or AVX2")
