@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends.request import Request, SamplingParams
-from backends.sampler import apply_penalties, sample, sample_logits
+from backends.sampler import apply_penalties, argmax_rows, sample, sample_logits
 from tests.engine_utils import assert_pool_whole, collect, small_engine, token_ids
 from tests.test_model_parity import ARCHS, hf_model, prompts
 
@@ -262,6 +262,20 @@ def test_min_p_keeps_only_ids_near_the_most_likely():
     assert seen == allowed
     greedy = _request([1], [], min_p=0.9)
     assert sample_logits(logits.clone(), [greedy], [[]], with_logprobs=False)[0] == [0]
+
+
+
+def test_argmax_rows_is_torchs_argmax():
+    """The CPU's numpy argmax picks what torch's does: the first of tied ids, a NaN over any
+    number, the first of several NaNs or infinities, row 0 of an all -inf row; strided rows too."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        x = torch.randint(-3, 3, (5, 40), generator=gen).float()
+        x[1, [7, 20]] = float("nan")
+        x[2, [3, 9]] = float("inf")
+        x[3] = float("-inf")
+        for rows in (x, x[:, ::2], x.T.contiguous().T):
+            assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
 
 
 class CountingModel:
