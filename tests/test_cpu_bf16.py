@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -80,6 +81,14 @@ def int16_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (top / 32767).double()).view(rows, -1)[:, :inp]
 
 
+def fp16_at_or_above(x: torch.Tensor) -> torch.Tensor:
+    """The least fp16 at or above each x (the smallest subnormal at least), as fp32: the int8
+    scale the kernels read."""
+    h = x.numpy().astype(np.float16)
+    h = np.where(h.astype(np.float32) < x.numpy(), np.nextafter(h, np.float16(np.inf)), h)
+    return torch.from_numpy(np.maximum(h, np.float16(2 ** -24)).astype(np.float32))
+
+
 @needs_bf16
 @pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (3, 96, 64), (5, 100, 31), (8, 100, 31), (17, 1000, 576),
                                           (130, 50, 1536)])
@@ -106,7 +115,7 @@ def test_int8_panel_gemm_is_the_product_of_the_group_scaled_weights(rows, out, i
         panel_amx_min_rows(shipped, int8=True)
     groups = -(-inp // INT8_GROUP)
     padded = torch.nn.functional.pad(w, (0, groups * INT8_GROUP - inp)).view(out, groups, INT8_GROUP)
-    scale = padded.abs().amax(dim=2, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    scale = fp16_at_or_above(padded.abs().amax(dim=2, keepdim=True) / 127)
     q = (padded / scale).round().clamp(-127, 127)
     assert (q.abs() == 127).any(dim=2)[:3].all()  # every nonzero group reaches the full range
     weight = (q * scale).view(out, -1)[:, :inp]
@@ -172,10 +181,11 @@ def test_int8_pack_holds_the_group_scales_after_the_panels():
     packed = pack_int8(w)
     panel_bytes = 1 * 18 * 48 * 2  # one panel, K2 = 18, 48 columns, 2 k
     q = packed.panels[:panel_bytes].view(torch.int8).view(1, 18, 48, 2)
-    scales = packed.panels[panel_bytes:].view(torch.float32).view(1, 2, 48)  # [panels, groups of 32 k, 48]
-    assert scales[0, 0, 0].item() == pytest.approx(2 / 127) and scales[0, 1, 0].item() == pytest.approx(4 / 127)
+    scales = packed.panels[panel_bytes:].view(torch.float16).view(1, 2, 48)  # [panels, groups of 32 k, 48]
+    assert scales[0, 0, 0].item() == 0.0157623291015625  # 2 / 127 = 0.015748 rounded up to fp16
+    assert scales[0, 1, 0].item() == 0.031524658203125  # 4 / 127, the same
     assert scales[0, 0, 1] > 0 and (scales[0, :, 3:] == 0).all()
-    assert q[0, 0, 0].tolist() == [64, -127] and q[0, 1, 2].tolist() == [-42, 0] and q[0, 0, 1].tolist() == [0, 0]
+    assert q[0, 0, 0].tolist() == [63, -127] and q[0, 1, 2].tolist() == [-42, 0] and q[0, 0, 1].tolist() == [0, 0]
     assert q[0, 16, 0].tolist() == [0, 127]
 
 

@@ -138,15 +138,21 @@ static inline __attribute__((always_inline)) __m512bh load_pairs(const char *w, 
     return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo));
 }
 
-/* The scales of group g's 48 columns, as load_pairs takes them: a part's columns 0-7 (lo) and
+/* Sixteen fp16 scales as fp32. */
+static inline __m512 half16(const uint16_t *h)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
+/* The fp16 scales of group g's 48 columns, as load_pairs takes them: a part's columns 0-7 (lo) and
  * 8-15 (hi), each twice (a column's two k of a pair). */
-static inline __attribute__((always_inline)) void group_scales(const float *scale, int64_t g, __m512 s_lo[3],
+static inline __attribute__((always_inline)) void group_scales(const uint16_t *scale, int64_t g, __m512 s_lo[3],
                                                               __m512 s_hi[3])
 {
     const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
     for (int j = 0; j < 3; j++) {
-        const __m512 s = _mm512_loadu_ps(scale + g * PANEL + 16 * j);
+        const __m512 s = half16(scale + g * PANEL + 16 * j);
         s_lo[j] = _mm512_permutexvar_ps(lo, s);
         s_hi[j] = _mm512_permutexvar_ps(hi, s);
     }
@@ -155,7 +161,7 @@ static inline __attribute__((always_inline)) void group_scales(const float *scal
 /* step: bytes of one k2 step of a panel (192 bf16, 96 int8); w points at the panel, scale at its
  * int8 scales ([groups][48]). */
 static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb, int64_t k2_dim, const char *w,
-                                                            int i8, const float *scale, int64_t n, int64_t k0, int64_t k1,
+                                                            int i8, const uint16_t *scale, int64_t n, int64_t k0, int64_t k1,
                                                             int64_t cols, int rows, int64_t ahead, float *y)
 {
     const int64_t step = i8 ? 2 * PANEL : 4 * PANEL, part = step / 3;
@@ -196,7 +202,7 @@ static inline __attribute__((always_inline)) void tile_pairs(const uint32_t *xb,
     }
 
 /* One panel, all rows, as panel() does; scale: the panel's int8 scales, or NULL (bf16). */
-static void panel_pairs(const uint32_t *xb, const char *w, const float *scale, int64_t m_dim, int64_t n,
+static void panel_pairs(const uint32_t *xb, const char *w, const uint16_t *scale, int64_t m_dim, int64_t n,
                         int64_t k2_dim, int64_t col, float *y)
 {
     const int64_t cols = n - col < PANEL ? n - col : PANEL;
@@ -268,7 +274,7 @@ static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_di
 
 /* k2 steps [k0, k1) (whole groups but for the last) of one tile of up to ROWS16 rows, as tile_pairs. */
 static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, const float *xs, int64_t k2_dim,
-                                                          const char *w, const float *scale, int64_t n, int64_t k0,
+                                                          const char *w, const uint16_t *scale, int64_t n, int64_t k0,
                                                           int64_t k1, int64_t cols, int rows, int64_t ahead, float *y)
 {
     const int64_t step = 2 * PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
@@ -295,7 +301,7 @@ static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, c
             }
         }
         for (int j = 0; j < 3; j++) {
-            const __m512 s = _mm512_loadu_ps(scale + g * PANEL + 16 * j);
+            const __m512 s = half16(scale + g * PANEL + 16 * j);
             for (int m = 0; m < rows; m++) {
                 const __m512 both = _mm512_mul_ps(s, _mm512_set1_ps(xs[m * groups + g]));
                 acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][j]), both, acc[m][j]);
@@ -306,7 +312,7 @@ static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, c
 }
 
 /* One int8 panel, all rows, on int16 rows: as panel_pairs. */
-static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const float *scale, int64_t m_dim,
+static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const uint16_t *scale, int64_t m_dim,
                       int64_t n, int64_t k2_dim, int64_t col, float *y)
 {
     const int64_t cols = n - col < PANEL ? n - col : PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
@@ -390,7 +396,7 @@ static void panel_amx(const uint32_t *xb, const char *w, int64_t m_total, int64_
             const uint32_t *xr = x16 + row * k2_dim;
             float *yr = out + row * n;
             const int64_t m_dim = valid;
-            const float *scale = NULL;
+            const uint16_t *scale = NULL;
             TILE_CASES(0)
         }
     }
@@ -409,7 +415,7 @@ static void panel_amx(const uint32_t *xb, const char *w, int64_t m_dim, int64_t 
 
 /* An int8 panel as bf16(q * s) in the bf16 panels' layout, for the tiles: the same weights as
  * load_pairs makes of it in registers. */
-static void dequantize_panel(const char *w, const float *scale, int64_t k2_dim, char *out)
+static void dequantize_panel(const char *w, const uint16_t *scale, int64_t k2_dim, char *out)
 {
     __m512 s_lo[3], s_hi[3];
     for (int64_t k = 0; k < k2_dim; k++) {
@@ -423,7 +429,7 @@ static void dequantize_panel(const char *w, const float *scale, int64_t k2_dim, 
 
 /* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16), and M more
  * rows of ceil(K2 / GROUP2) (int16 rows' scales). */
-static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *scale, int64_t m_dim, int64_t n,
+static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t *scale, int64_t m_dim, int64_t n,
                       int64_t k_dim, float *y, uint32_t *xb)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
@@ -446,7 +452,7 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const float *s
 #pragma omp for schedule(dynamic)
         for (int64_t p = 0; p < panels; p++) {
             const char *panel_w = w + p * panel_bytes;
-            const float *panel_scale = scale ? scale + p * groups * PANEL : NULL;
+            const uint16_t *panel_scale = scale ? scale + p * groups * PANEL : NULL;
             if (i16) {
                 panel_i16(xb, xs, panel_w, panel_scale, m_dim, n, k2_dim, p * PANEL, y);
             } else if (tiles && n - p * PANEL >= PANEL && (!scale || as_bf16)) {
@@ -473,14 +479,14 @@ int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_di
     return gemm_pairs(x, ldx, (const char *)w, NULL, m_dim, n, k_dim, y, xb);
 }
 
-/* The same for int8 panels, followed in the same buffer by their fp32 scales [panels][groups][48]
+/* The same for int8 panels, followed in the same buffer by their fp16 scales [panels][groups][48]
  * (a scale per column and 32 k): on the tiles y[m, j] = sum_k bf16(x[m, k]) bf16(q[j, k] *
  * scale[j, k / 32]), elsewhere the int16 rows' sum (rows_to_i16). */
 int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
                   uint32_t *xb)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
-    const float *scale = (const float *)(w + panels * PANEL * 2 * k2_dim);
+    const uint16_t *scale = (const uint16_t *)(w + panels * PANEL * 2 * k2_dim);
     return gemm_pairs(x, ldx, (const char *)w, scale, m_dim, n, k_dim, y, xb);
 }
 #else

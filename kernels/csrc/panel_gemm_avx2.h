@@ -130,10 +130,16 @@ static inline __attribute__((always_inline)) void tile_bf16(const float *x, int6
     store_tile(acc, mask, rows, vecs, j0, cols, y, n);
 }
 
-/* int8 panel ([K2][48][2], scales [groups][48]) on int16 rows xq [M, K2] with scales xs [M, groups]:
+/* Eight fp16 scales as fp32 (F16C: every AVX2 CPU has it). */
+static inline __m256 half8(const uint16_t *h)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* int8 panel ([K2][48][2], fp16 scales [groups][48]) on int16 rows xq [M, K2] with scales xs [M, groups]:
  * k2 steps [k0, k1), whole groups but for the last. */
 static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, const float *xs, int64_t k2_dim,
-                                                          const int8_t *w, const float *scale, int64_t n,
+                                                          const int8_t *w, const uint16_t *scale, int64_t n,
                                                           int64_t k0, int64_t k1, int64_t cols, int rows, int vecs,
                                                           int j0, int64_t ahead, float *y)
 {
@@ -162,7 +168,7 @@ static inline __attribute__((always_inline)) void tile_i16(const uint32_t *xq, c
         for (int m = 0; m < rows; m++) {
             const __m256 row_scale = _mm256_set1_ps(xs[m * groups + g]);
             for (int j = 0; j < vecs; j++) {
-                const __m256 both = _mm256_mul_ps(_mm256_loadu_ps(scale + g * PANEL + 8 * (j0 + j)), row_scale);
+                const __m256 both = _mm256_mul_ps(half8(scale + g * PANEL + 8 * (j0 + j)), row_scale);
                 acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][j]), both, acc[m][j]);
             }
         }
@@ -221,7 +227,7 @@ static void panel_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m
 #undef TILE
 }
 
-static void panel_i16(const uint32_t *xq, const float *xs, const int8_t *w, const float *scale, int64_t m_dim,
+static void panel_i16(const uint32_t *xq, const float *xs, const int8_t *w, const uint16_t *scale, int64_t m_dim,
                       int64_t n, int64_t k2_dim, int64_t col, float *y)
 {
     const int64_t groups = (k2_dim + GROUP2 - 1) / GROUP2;
@@ -278,7 +284,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
                   uint32_t *xb)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
-    const float *scale = (const float *)(w + panels * PANEL * 2 * k2_dim);
+    const uint16_t *scale = (const uint16_t *)(w + panels * PANEL * 2 * k2_dim);
     float *xs = (float *)(xb + m_dim * k2_dim);
 #pragma omp parallel
     {
