@@ -94,9 +94,10 @@ class ModelRunner:
         self.dtype = self.model.dtype  # activations and KV: fp32 under bf16 weights on a CPU (kernels.linear)
         mc = self.model.cfg
         self.max_context = cfg.context_limit(mc.max_position)
+        self.kv_dtype = cfg.kv_dtype(self.dtype)
         self.pool = KVManager(self._num_pages(), cfg.page_size)
         self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
-                                     mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+                                     mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
         if mc.is_dllm:  # block-causal attention: the torch backend's masks, no fused decoder
             if cfg.attention_backend not in ("auto", "torch"):
                 raise ValueError(f"attention_backend {cfg.attention_backend!r} has no block-causal attention "
@@ -109,6 +110,7 @@ class ModelRunner:
             self.model.decoder = pick_decoder(self.model, self.attn)
             self.model.fused_kv = self.attention_backend == "triton" and not mc.qk_norm \
                 and hasattr(self.model.ops, "rope_store")
+        self._check_kv_dtype()
         self.model.build_rope_tables(self.max_context)
         # held by the scheduler around a step's forward and sampling
         self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
@@ -164,12 +166,25 @@ class ModelRunner:
         """A graph's page-table width: the pages of the longest context."""
         return -(-self.max_context // self.cfg.page_size)
 
+    def _check_kv_dtype(self) -> None:
+        """A KV cache in another dtype than the activations needs a kernel that reads it: on a CPU
+        the C attention kernel (it widens bf16 rows as it loads them); the GPU kernels read the
+        cache in the model's dtype."""
+        if self.kv_dtype == self.dtype:
+            return
+        if self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype bfloat16 on {self.device.type} needs dtype bfloat16 "
+                             f"(the model runs in {str(self.dtype).removeprefix('torch.')})")
+        if self.attention_backend != "cpu":
+            raise ValueError(f"kv_cache_dtype bfloat16 on a CPU needs the C attention kernel (attention_backend "
+                             f"auto or cpu); this model runs attention_backend {self.attention_backend!r}")
+
     def _num_pages(self) -> int:
         if self.cfg.num_pages:
             return self.cfg.num_pages
         mc = self.model.cfg
         page_bytes = 2 * mc.num_layers * self.cfg.page_size * mc.num_kv_heads * mc.head_dim \
-            * self.dtype.itemsize
+            * self.kv_dtype.itemsize
         wanted = self.cfg.max_running_requests * -(-self.max_context // self.cfg.page_size)
         return max(1, min(wanted, int(self.cfg.kv_memory_gb * 2**30 // page_bytes)))
 

@@ -7,8 +7,9 @@ from the pages in place. That replaced a padded-SDPA decode that copied the page
 out (a quarter of the engine's time at 16 streams) and a torch SDPA call per
 prefill chunk (twice the kernel's time at 128 and 512 tokens). The kernels are
 built on first use (kernels.cbuild); `auto` falls back to the torch backend where
-they cannot be, and a dtype or layout the kernel does not take (bf16, a
-non-contiguous cache) goes through TorchAttention.
+they cannot be, and a dtype or layout the kernel does not take (bf16 queries, a
+non-contiguous cache) goes through TorchAttention. The cache may hold bf16 under fp32
+queries (kv_cache_dtype bfloat16): the kernel widens its rows as it loads them.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from kernels.layer_ops import CpuOps
 from kernels.torch_ref import TorchAttention, TorchPlan
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# q, q_stride, k_cache, v_cache, pages, max_pages, seqs, lens, rows, Hq, Hkv, D, page size, scale, out
-ARGTYPES = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _ptr)
+# q, q_stride, k_cache, v_cache, pages, max_pages, seqs, lens, rows, Hq, Hkv, D, page size, scale, kv_bf16, out
+ARGTYPES = (_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _ptr)
 SIGNATURES = {"paged_attention_f32": ARGTYPES}
 
 
@@ -79,7 +80,8 @@ class CpuAttention(TorchAttention):
         out = torch.empty((rows, hq, dim), dtype=q.dtype)
         rc = self._kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), plan.pages.data_ptr(),
                           plan.pages.shape[1], plan.seqs.data_ptr(), plan.lens.data_ptr(), rows, hq,
-                          k_cache.shape[2], dim, k_cache.shape[1], scale, out.data_ptr())
+                          k_cache.shape[2], dim, k_cache.shape[1], scale, int(k_cache.dtype == torch.bfloat16),
+                          out.data_ptr())
         if rc != 0:
             raise MemoryError("paged attention: no memory for its task list or scores buffer")
         return out

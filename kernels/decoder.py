@@ -21,7 +21,8 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 class DecoderShape(ctypes.Structure):
     _fields_ = [(name, _i64) for name in ("rows", "hidden", "layers", "heads", "kv_heads", "dim", "inter",
-                                          "page_size", "max_pages", "weights")] + [("eps", _f32), ("scale", _f32)]
+                                          "page_size", "max_pages", "weights", "kv_bf16")] \
+        + [("eps", _f32), ("scale", _f32)]
 
 
 # shape, residual, weights, cos, signed_sin, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens,
@@ -60,7 +61,7 @@ class CpuDecoder:
                          if self.weights_kind else 1, dtype=torch.int32)
         shape = DecoderShape(rows, c.hidden_size, len(layers), c.num_heads, c.num_kv_heads, c.head_dim,
                              c.intermediate_size, kv.shape[3], plan.pages.shape[1], self.weights_kind,
-                             c.rms_norm_eps, self.scale)
+                             int(kv.dtype == torch.bfloat16), c.rms_norm_eps, self.scale)
         weights = self.weights.data_ptr() + layers.start * 6 * self.weights.element_size()
         kv_start = kv.data_ptr() + layers.start * kv.stride(0) * kv.element_size()
         rc = self._kernel(ctypes.byref(shape), residual.data_ptr(), weights, cos.data_ptr(),

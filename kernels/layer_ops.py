@@ -20,6 +20,7 @@ SIGNATURES = {  # the arguments of each function of csrc/layer_ops.c, in order
     "rope_f32": (_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr),          # x, ld, rows, heads, dim, cos, signed_sin
     # k, k_ld, v, v_ld, slots, rows, width, k_cache, v_cache
     "store_kv_f32": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr),
+    "store_kv_bf16": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr),
     "silu_mul_f32": (_ptr, _i64, _i64, _ptr),                        # gate_up, rows, inter, out
 }
 
@@ -98,8 +99,10 @@ class CpuOps(TorchOps):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """k_cache[slot] = k[t], v_cache[slot] = v[t] for the slot of each token t; k, v [T, Hkv, D]
-        with their heads contiguous, the caches [P, S, Hkv, D] contiguous."""
-        self._lib.store_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
+        with their heads contiguous, the caches [P, S, Hkv, D] contiguous, fp32 or bf16 (rounded
+        as torch rounds)."""
+        store = self._lib.store_kv_bf16 if k_cache.dtype == torch.bfloat16 else self._lib.store_kv_f32
+        store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
                                k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr())
 
 

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from backends.config import EngineConfig
 from backends.disagg import protocol
@@ -14,7 +15,7 @@ from backends.disagg.pipeline import layer_group_size, layer_groups
 from backends.engine import Engine
 from backends.request import SamplingParams
 from backends.disagg.local import Pair, drain
-from tests.engine_utils import collect, idle_pages, token_ids
+from tests.engine_utils import collect, idle_pages, small_engine, token_ids
 from client.triton_server import free_port
 from tests.test_model_parity import prompts
 
@@ -515,6 +516,35 @@ def test_layout_mismatch_is_refused(checkpoint):
         room, d, p = pair.submit(prompts(1)[0], PARAMS)
         assert "page_size" in drain(d, 20)[-1].error
         pair.prefill.abort(f"room-{room}")  # as the router does when one child fails
+        assert drain(p, 10)[-1].finish_reason == "abort"
+        assert pair.wait_kv_whole()
+    finally:
+        pair.close()
+
+
+def test_bf16_kv_hand_off_equals_colocated_bf16_kv(checkpoint):
+    """kv_cache_dtype bfloat16 on both sides: the pages travel as bf16 (half the bytes) and
+    decode continues exactly as one engine with a bf16 cache; a side with an fp32 cache is refused
+    at the handshake, naming the dtype."""
+    knobs = {"kv_cache_dtype": "bfloat16"}
+    batch = prompts(4)
+    one = small_engine(checkpoint("llama"), **knobs)
+    try:
+        expected = [token_ids(o) for o in collect(one, batch, PARAMS)]
+    finally:
+        one.stop()
+    pair = Pair(checkpoint("llama"), engine_overrides=knobs, pipeline_min_tokens=8, pipeline_group_size=1)
+    try:
+        assert [token_ids(dec) for dec, _ in pair.run(batch, PARAMS)] == expected
+        assert pair.wait_kv_whole() and pair.prefill.runner.kv.dtype == torch.bfloat16
+    finally:
+        pair.close()
+    pair = Pair(checkpoint("llama"), prefill_engine={"kv_cache_dtype": "auto"}, engine_overrides=knobs,
+                handshake_timeout_s=3.0)
+    try:
+        room, d, p = pair.submit(prompts(1)[0], PARAMS)
+        assert "dtype bfloat16 here vs float32 on peer" in drain(d, 20)[-1].error
+        pair.prefill.abort(f"room-{room}")
         assert drain(p, 10)[-1].finish_reason == "abort"
         assert pair.wait_kv_whole()
     finally:

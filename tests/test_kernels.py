@@ -389,6 +389,43 @@ def test_cpu_task_shapes_agree(dim, hkv):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("dim,hkv,threads", [(64, 3, 2), (64, 3, 64), (32, 2, 1), (128, 1, 2), (40, 2, 2)])
+def test_cpu_bf16_cache_is_the_fp32_kernel_on_rounded_kv(dim, hkv, threads):
+    """kv_cache_dtype bfloat16: each new K/V value is stored rounded as torch rounds it, and the
+    outputs equal, bit for bit, the fp32 kernel's over a cache holding the same rounded values
+    (the rows widen exactly as they load; the arithmetic is the same). Decodes beside a prefill
+    chunk, every task shape (threads), the vector paths (32, 64, 128) and the general one (40)."""
+    meta = make_meta([1, 1, 5, 1, 1], [40, 17, 30, 3, 64], 16, num_pages=20, seed=dim)
+    q, k, v, kv = make_tensors(meta, 20, 3 * hkv, hkv, dim, torch.float32, "cpu", seed=dim)
+    kv16 = kv.bfloat16()
+    rounded = lambda t: t.bfloat16().float()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out16, buf16 = run_backend(cpu_backend(), meta, q, k, v, kv16)
+        out32, buf32 = run_backend(cpu_backend(), meta, q, rounded(k), rounded(v), kv16.float())
+    finally:
+        torch.set_num_threads(before)
+    assert buf16.dtype == torch.bfloat16 and torch.equal(buf16.float(), buf32)
+    assert torch.equal(out16, out32)
+    assert not torch.equal(buf16.float(), run_backend(cpu_backend(), meta, q, k, v, kv)[1])  # it did round
+
+
+def test_cpu_bf16_kv_store_rounds_as_torch():
+    """Ties to even, the largest values to infinity, subnormals kept: torch's bits, but for a NaN,
+    which stays a NaN (torch's own bits for one differ between its vector and scalar paths)."""
+    from kernels.layer_ops import CpuOps
+    k = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895314e38, float("inf"), float("-inf"),
+                      float("nan"), 1e-40, -0.0, 2 ** -7 + 2 ** -16])
+    k = torch.cat([k, torch.randn(54, generator=torch.Generator().manual_seed(0))]).view(1, 2, 32)
+    caches = torch.zeros(2, 1, 1, 2, 32, dtype=torch.bfloat16)
+    CpuOps().store_kv(k, -k, caches[0], caches[1], torch.tensor([0]))
+    for cache, values in ((caches[0], k[0]), (caches[1], -k[0])):
+        nan = values.isnan()
+        assert nan.any() and cache[0, 0][nan].isnan().all()
+        assert torch.equal(cache[0, 0][~nan].view(torch.int16), values[~nan].bfloat16().view(torch.int16))
+
+
 def test_cpu_empty_batch():
     """No rows: no task list to allocate, nothing written, no error."""
     meta = AttentionMetadata.build([], [], [], 16)

@@ -24,6 +24,7 @@
 struct decoder_shape {
     int64_t rows, hidden, layers, heads, kv_heads, dim, inter, page_size, max_pages;
     int64_t weights; /* the matmul weights' panels: 0 fp32, 1 bf16, 2 int8 (panel_gemm.c) */
+    int64_t kv_bf16; /* the KV cache's elements: 0 fp32, 1 bf16 */
     float eps, scale;
 };
 
@@ -38,29 +39,35 @@ static int gemm(const struct decoder_shape *s, const float *x, int64_t ldx, cons
     }
 }
 
-/* kv: [layers, 2, P, S, Hkv, D] contiguous, kv_layer_stride floats from one layer to the
- * next and v_offset from a layer's K to its V. Workspaces: x [rows, hidden], qkv [rows,
+/* kv: [layers, 2, P, S, Hkv, D] contiguous, fp32 or bf16 (s->kv_bf16), kv_layer_stride elements
+ * from one layer to the next and v_offset from a layer's K to its V. Workspaces: x [rows, hidden], qkv [rows,
  * (heads + 2 kv_heads) dim], attn [rows, heads dim], h [rows, hidden], gate_up [rows,
  * 2 inter], act [rows, inter], xb: panel_gemm_bf16's scratch for rows of max(hidden, heads dim, inter)
  * (bf16 and int8 weights).
  * Returns 0, -1 without AVX-512 or AVX2 and FMA (nothing done), or -2 when
  * the attention had no memory for its scores. */
 int decoder_layers_f32(const struct decoder_shape *s, float *residual, const int64_t *weights, const float *cos,
-                       const float *signed_sin, float *kv, int64_t kv_layer_stride, int64_t v_offset,
+                       const float *signed_sin, void *kv, int64_t kv_layer_stride, int64_t v_offset,
                        const int64_t *slots, const int64_t *pages, const int64_t *seqs, const int64_t *lens,
                        float *x, float *qkv, float *attn, float *h, float *gate_up, float *act, uint32_t *xb)
 {
     const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, width = q_size + 2 * kv_size;
+    const int64_t element = s->kv_bf16 ? 2 : 4;
     for (int64_t l = 0; l < s->layers; l++) {
         const float *const *w = (const float *const *)(weights + 6 * l); /* w[1, 2, 4, 5]: by s->weights */
-        float *k_cache = kv + l * kv_layer_stride, *v_cache = k_cache + v_offset;
+        char *k_cache = (char *)kv + l * kv_layer_stride * element, *v_cache = k_cache + v_offset * element;
         add_rms_norm_f32(residual, l ? h : NULL, w[0], x, s->rows, s->hidden, s->eps);
         if (gemm(s, x, s->hidden, w[1], width, s->hidden, qkv, xb) != 0)
             return -1;
         rope_f32(qkv, width, s->rows, s->heads + s->kv_heads, s->dim, cos, signed_sin);
-        store_kv_f32(qkv + q_size, width, qkv + q_size + kv_size, width, slots, s->rows, kv_size, k_cache, v_cache);
+        if (s->kv_bf16)
+            store_kv_bf16(qkv + q_size, width, qkv + q_size + kv_size, width, slots, s->rows, kv_size,
+                          (uint16_t *)k_cache, (uint16_t *)v_cache);
+        else
+            store_kv_f32(qkv + q_size, width, qkv + q_size + kv_size, width, slots, s->rows, kv_size,
+                         (float *)k_cache, (float *)v_cache);
         if (paged_attention_f32(qkv, width, k_cache, v_cache, pages, s->max_pages, seqs, lens, s->rows, s->heads,
-                                s->kv_heads, s->dim, s->page_size, s->scale, attn) != 0)
+                                s->kv_heads, s->dim, s->page_size, s->scale, s->kv_bf16, attn) != 0)
             return -2;
         gemm(s, attn, q_size, w[2], s->hidden, q_size, h, xb);
         add_rms_norm_f32(residual, h, w[3], x, s->rows, s->hidden, s->eps);

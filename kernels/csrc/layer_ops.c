@@ -87,6 +87,31 @@ int store_kv_f32(const float *k, int64_t k_ld, const float *v, int64_t v_ld, con
     return 0;
 }
 
+/* fp32 -> bf16 as torch's .to(torch.bfloat16): round to nearest even; a NaN stays a NaN. */
+static inline uint16_t float_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* store_kv_f32 into bf16 caches (kv_cache_dtype bfloat16), each value rounded. */
+int store_kv_bf16(const float *k, int64_t k_ld, const float *v, int64_t v_ld, const int64_t *slots, int64_t rows,
+                  int64_t width, uint16_t *k_cache, uint16_t *v_cache)
+{
+#pragma omp parallel for if (rows * width >= PARALLEL_MIN) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        uint16_t *kc = k_cache + slots[t] * width, *vc = v_cache + slots[t] * width;
+        for (int64_t i = 0; i < width; i++) {
+            kc[i] = float_bf16(k[t * k_ld + i]);
+            vc[i] = float_bf16(v[t * v_ld + i]);
+        }
+    }
+    return 0;
+}
+
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:]; gate_up [rows, 2 * inter],
  * out [rows, inter], both contiguous. */
 NOCONTRACT int silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, float *out)

@@ -18,8 +18,11 @@
  * already loaded by torch when this library is opened), so it never competes with a
  * second pool.
  *
+ * The cache holds fp32 or bf16 (`kv_cache_dtype bfloat16`: half the bytes each pass reads; a
+ * row widens to fp32 as it loads, so the arithmetic is the fp32 kernel's on the rounded K/V).
+ *
  * Shapes: q [R, Hq, D] with q_stride floats between rows (heads contiguous); k_cache,
- * v_cache [P, S, Hkv, D] contiguous; pages [B, max_pages] int64 (a page table per
+ * v_cache [P, S, Hkv, D] contiguous, fp32 or bf16; pages [B, max_pages] int64 (a page table per
  * sequence); seqs [R] int64 (each row's sequence); lens [R] int64 (positions the row
  * attends to, its own included); out [R, Hq, D] contiguous.
  */
@@ -49,21 +52,45 @@ static void slot_offsets(const int64_t *pages, int64_t len, int64_t page_size, i
     }
 }
 
-/* Token t's row (dim floats at offsets[t]) on its way to L1, if there is a token t. */
-static inline void prefetch_row(const float *cache, const int64_t *offsets, int64_t t, int64_t len, int64_t dim)
+/* A cache element's bytes: 4 (fp32) or 2 (bf16); offsets count elements. */
+static inline int64_t kv_size(int bf16) { return bf16 ? 2 : 4; }
+
+/* Element `offset` of a cache. */
+static inline const void *kv_at(const void *cache, int64_t offset, int bf16)
+{
+    return (const char *)cache + offset * kv_size(bf16);
+}
+
+/* A row as fp32: itself, or its bf16 widened into `wide` (exact), so the loops below sum in
+ * the same order over either cache. */
+static inline const float *row_f32(const void *row, int64_t dim, int bf16, float *wide)
+{
+    if (!bf16)
+        return row;
+    for (int64_t d = 0; d < dim; d++) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+        memcpy(wide + d, &bits, sizeof bits);
+    }
+    return wide;
+}
+
+/* Token t's row (dim elements at offsets[t]) on its way to L1, if there is a token t. */
+static inline void prefetch_row(const void *cache, const int64_t *offsets, int64_t t, int64_t len, int64_t dim,
+                                int bf16)
 {
     if (t < len)
-        for (int64_t c = 0; c < dim; c += 16)
-            __builtin_prefetch(cache + offsets[t] + c);
+        for (int64_t b = 0; b < dim * kv_size(bf16); b += 64)
+            __builtin_prefetch((const char *)kv_at(cache, offsets[t], bf16) + b);
 }
 
 /* scores[g * len + t] = scale * q[g] . k[t] for the group's query heads. */
-static void scores_scalar(const float *q, const float *k_cache, const int64_t *offsets, int64_t len, int64_t dim,
-                          int64_t group, float scale, float *scores)
+static void scores_scalar(const float *q, const void *k_cache, const int64_t *offsets, int64_t len, int64_t dim,
+                          int64_t group, float scale, int bf16, float *scores)
 {
+    float wide[dim];
     for (int64_t t = 0; t < len; t++) {
-        const float *k = k_cache + offsets[t];
-        prefetch_row(k_cache, offsets, t + PREFETCH, len, dim);
+        const float *k = row_f32(kv_at(k_cache, offsets[t], bf16), dim, bf16, wide);
+        prefetch_row(k_cache, offsets, t + PREFETCH, len, dim, bf16);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * dim;
             float acc = 0.f;
@@ -76,13 +103,14 @@ static void scores_scalar(const float *q, const float *k_cache, const int64_t *o
 }
 
 /* out[g] = sum over t of scores[g * len + t] * v[t]. */
-static void weighted_sum_scalar(const float *v_cache, const int64_t *offsets, int64_t len, int64_t dim,
-                                int64_t group, const float *scores, float *out)
+static void weighted_sum_scalar(const void *v_cache, const int64_t *offsets, int64_t len, int64_t dim,
+                                int64_t group, const float *scores, int bf16, float *out)
 {
+    float wide[dim];
     memset(out, 0, group * dim * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
-        const float *v = v_cache + offsets[t];
-        prefetch_row(v_cache, offsets, t + PREFETCH, len, dim);
+        const float *v = row_f32(kv_at(v_cache, offsets[t], bf16), dim, bf16, wide);
+        prefetch_row(v_cache, offsets, t + PREFETCH, len, dim, bf16);
         for (int64_t g = 0; g < group; g++) {
             const float p = scores[g * len + t];
             float *o = out + g * dim;
@@ -133,31 +161,40 @@ static inline __m512 sum16(const __m512 v[16])
     return _mm512_permutexvar_ps(order, sums);
 }
 
+/* Elements 16c .. 16c + 15 of a K or V row as fp32. */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, int c, int bf16)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)row + 16 * c);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* scores_scalar for dim = 16 * DV over `heads` KV heads of each slot: 16 tokens at a
  * time, their slots (heads * dim floats, contiguous) loaded once for all of the query
  * heads they serve (from L1 after the first). */
-static inline __attribute__((always_inline)) void scores_avx512(const float *q, const float *k_cache,
+static inline __attribute__((always_inline)) void scores_avx512(const float *q, const void *k_cache,
                                                                const int64_t *offsets, int64_t len, const int DV,
                                                                int64_t heads, int64_t group, float scale,
-                                                               float *scores)
+                                                               const int bf16, float *scores)
 {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? (int)(len - t0) : 16;
         for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 16; t++)
-            prefetch_row(k_cache, offsets, t, len, heads * 16 * DV);
+            prefetch_row(k_cache, offsets, t, len, heads * 16 * DV, bf16);
         for (int64_t h = 0; h < heads; h++)
             for (int64_t g = 0; g < group; g++) {
-                const float *k_head = k_cache + h * 16 * DV, *qg = q + (h * group + g) * 16 * DV;
+                const float *qg = q + (h * group + g) * 16 * DV;
                 __m512 qv[8], acc[16];
                 for (int c = 0; c < DV; c++)
                     qv[c] = _mm512_loadu_ps(qg + 16 * c);
                 for (int j = 0; j < 16; j++) {
                     acc[j] = _mm512_setzero_ps();
                     if (j < n) {
-                        const float *k = k_head + offsets[t0 + j];
+                        const void *k = kv_at(k_cache, offsets[t0 + j] + h * 16 * DV, bf16);
                         for (int c = 0; c < DV; c++)
-                            acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[j]);
+                            acc[j] = _mm512_fmadd_ps(qv[c], kv_load16(k, c, bf16), acc[j]);
                     }
                 }
                 _mm512_mask_storeu_ps(scores + (h * group + g) * len + t0, (__mmask16)((1u << n) - 1),
@@ -168,9 +205,10 @@ static inline __attribute__((always_inline)) void scores_avx512(const float *q, 
 
 /* weighted_sum_scalar for dim = 16 * DV: the outputs of up to 16 / DV query heads stay
  * in registers through the pass over V. */
-static inline __attribute__((always_inline)) void weighted_sum_avx512(const float *v_cache, const int64_t *offsets,
+static inline __attribute__((always_inline)) void weighted_sum_avx512(const void *v_cache, const int64_t *offsets,
                                                                      int64_t len, const int DV, int64_t group,
-                                                                     const float *scores, float *out)
+                                                                     const float *scores, const int bf16,
+                                                                     float *out)
 {
     const int per_pass = 16 / DV;
     for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
@@ -179,11 +217,11 @@ static inline __attribute__((always_inline)) void weighted_sum_avx512(const floa
         for (int i = 0; i < 16; i++)
             acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t++) {
-            const float *v = v_cache + offsets[t];
-            prefetch_row(v_cache, offsets, t + PREFETCH, len, 16 * DV);
+            const void *v = kv_at(v_cache, offsets[t], bf16);
+            prefetch_row(v_cache, offsets, t + PREFETCH, len, 16 * DV, bf16);
             __m512 vv[8];
             for (int c = 0; c < DV; c++)
-                vv[c] = _mm512_loadu_ps(v + 16 * c);
+                vv[c] = kv_load16(v, c, bf16);
             for (int h = 0; h < per_pass; h++)
                 if (h < heads) {
                     const __m512 p = _mm512_set1_ps(scores[(g0 + h) * len + t]);
@@ -198,20 +236,20 @@ static inline __attribute__((always_inline)) void weighted_sum_avx512(const floa
 }
 
 /* A task's heads with a head dim of 16 * DV, DV a constant after inlining. */
-static inline __attribute__((always_inline)) void attend_avx512(const float *q, const float *k_cache,
-                                                               const float *v_cache, const int64_t *offsets,
+static inline __attribute__((always_inline)) void attend_avx512(const float *q, const void *k_cache,
+                                                               const void *v_cache, const int64_t *offsets,
                                                                int64_t len, const int DV, int64_t heads,
-                                                               int64_t group, float scale, float *scores,
-                                                               float *out)
+                                                               int64_t group, float scale, const int bf16,
+                                                               float *scores, float *out)
 {
-    scores_avx512(q, k_cache, offsets, len, DV, heads, group, scale, scores);
+    scores_avx512(q, k_cache, offsets, len, DV, heads, group, scale, bf16, scores);
     softmax_rows(scores, heads * group, len);
     /* V head by head: reading a slot's heads together here measured slower (7.3 ms at 16
      * x 192 against 6.9), and cost prefill chunks 5 % (their outputs left the registers
      * at every block). */
     for (int64_t h = 0; h < heads; h++)
-        weighted_sum_avx512(v_cache + h * 16 * DV, offsets, len, DV, group, scores + h * group * len,
-                            out + h * group * 16 * DV);
+        weighted_sum_avx512(kv_at(v_cache, h * 16 * DV, bf16), offsets, len, DV, group, scores + h * group * len,
+                            bf16, out + h * group * 16 * DV);
 }
 #endif
 
@@ -227,26 +265,36 @@ static inline __m256 sum8(const __m256 v[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+/* Elements 8c .. 8c + 7 of a K or V row as fp32. */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *row, int c, int bf16)
+{
+    if (!bf16)
+        return _mm256_loadu_ps((const float *)row + 8 * c);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + 8 * c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* scores_scalar for dim = 8 * DV, 8 tokens at a time: a token's dot product is summed across
  * lanes with seven others' (the general loop summed each token's alone). */
-static inline __attribute__((always_inline)) void scores_avx2(const float *q, const float *k_cache,
+static inline __attribute__((always_inline)) void scores_avx2(const float *q, const void *k_cache,
                                                              const int64_t *offsets, int64_t len, const int DV,
-                                                             int64_t group, float scale, float *scores)
+                                                             int64_t group, float scale, const int bf16,
+                                                             float *scores)
 {
     const __m256 scale_v = _mm256_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
         const int n = len - t0 < 8 ? (int)(len - t0) : 8;
         for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 8; t++)
-            prefetch_row(k_cache, offsets, t, len, 8 * DV);
+            prefetch_row(k_cache, offsets, t, len, 8 * DV, bf16);
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * 8 * DV;
             __m256 acc[8];
             for (int j = 0; j < 8; j++) {
                 acc[j] = _mm256_setzero_ps();
                 if (j < n) {
-                    const float *k = k_cache + offsets[t0 + j];
+                    const void *k = kv_at(k_cache, offsets[t0 + j], bf16);
                     for (int c = 0; c < DV; c++)
-                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + 8 * c), acc[j]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kv_load8(k, c, bf16), acc[j]);
                 }
             }
             float out[8];
@@ -259,9 +307,9 @@ static inline __attribute__((always_inline)) void scores_avx2(const float *q, co
 /* weighted_sum_scalar for dim = 8 * DV with the outputs in registers through the pass over V:
  * 8 vectors of them a pass (two heads of dim 32, one of 64, half of one of 128). Each output
  * is the same multiply-add chain over the tokens in order. */
-static inline __attribute__((always_inline)) void weighted_sum_avx2(const float *v_cache, const int64_t *offsets,
+static inline __attribute__((always_inline)) void weighted_sum_avx2(const void *v_cache, const int64_t *offsets,
                                                                    int64_t len, const int DV, int64_t group,
-                                                                   const float *scores, float *out)
+                                                                   const float *scores, const int bf16, float *out)
 {
     const int cols = DV < 8 ? DV : 8, per_pass = 8 / cols;
     for (int64_t g0 = 0; g0 < group; g0 += per_pass)
@@ -271,14 +319,14 @@ static inline __attribute__((always_inline)) void weighted_sum_avx2(const float 
             for (int i = 0; i < 8; i++)
                 acc[i] = _mm256_setzero_ps();
             for (int64_t t = 0; t < len; t++) {
-                const float *v = v_cache + offsets[t] + 8 * c0;
+                const void *v = kv_at(v_cache, offsets[t] + 8 * c0, bf16);
                 if (c0 == 0)
-                    prefetch_row(v_cache, offsets, t + PREFETCH, len, 8 * DV);
+                    prefetch_row(v_cache, offsets, t + PREFETCH, len, 8 * DV, bf16);
                 for (int h = 0; h < per_pass; h++)
                     if (h < heads) {
                         const __m256 p = _mm256_set1_ps(scores[(g0 + h) * len + t]);
                         for (int c = 0; c < cols; c++)
-                            acc[h * cols + c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[h * cols + c]);
+                            acc[h * cols + c] = _mm256_fmadd_ps(p, kv_load8(v, c, bf16), acc[h * cols + c]);
                     }
             }
             for (int h = 0; h < heads; h++)
@@ -288,50 +336,64 @@ static inline __attribute__((always_inline)) void weighted_sum_avx2(const float 
 }
 
 /* One KV head's query heads with a head dim of 8 * DV. */
-static inline __attribute__((always_inline)) void attend_avx2(const float *q, const float *k_cache,
-                                                             const float *v_cache, const int64_t *offsets,
+static inline __attribute__((always_inline)) void attend_avx2(const float *q, const void *k_cache,
+                                                             const void *v_cache, const int64_t *offsets,
                                                              int64_t len, const int DV, int64_t group, float scale,
-                                                             float *scores, float *out)
+                                                             const int bf16, float *scores, float *out)
 {
-    scores_avx2(q, k_cache, offsets, len, DV, group, scale, scores);
+    scores_avx2(q, k_cache, offsets, len, DV, group, scale, bf16, scores);
     softmax_rows(scores, group, len);
-    weighted_sum_avx2(v_cache, offsets, len, DV, group, scores, out);
+    weighted_sum_avx2(v_cache, offsets, len, DV, group, scores, bf16, out);
 }
 #endif
 
 /* One task: `heads` KV heads of one row, each with its `group` query heads; q and out
- * [heads * group, dim], offsets pointing at the first head's row of each slot. */
-static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *offsets, int64_t len,
-                   int64_t dim, int64_t heads, int64_t group, float scale, float *scores, float *out)
+ * [heads * group, dim], offsets pointing at the first head's row of each slot. bf16: the
+ * cache's elements, a constant after inlining. */
+static inline __attribute__((always_inline)) void attend_kind(const float *q, const void *k_cache,
+                                                             const void *v_cache, const int64_t *offsets,
+                                                             int64_t len, int64_t dim, int64_t heads, int64_t group,
+                                                             float scale, const int bf16, float *scores, float *out)
 {
 #ifdef __AVX512F__
     switch (dim) {
-    case 32: attend_avx512(q, k_cache, v_cache, offsets, len, 2, heads, group, scale, scores, out); return;
-    case 64: attend_avx512(q, k_cache, v_cache, offsets, len, 4, heads, group, scale, scores, out); return;
-    case 128: attend_avx512(q, k_cache, v_cache, offsets, len, 8, heads, group, scale, scores, out); return;
+    case 32: attend_avx512(q, k_cache, v_cache, offsets, len, 2, heads, group, scale, bf16, scores, out); return;
+    case 64: attend_avx512(q, k_cache, v_cache, offsets, len, 4, heads, group, scale, bf16, scores, out); return;
+    case 128: attend_avx512(q, k_cache, v_cache, offsets, len, 8, heads, group, scale, bf16, scores, out); return;
     }
 #endif
     for (int64_t h = 0; h < heads; h++) {
-        const float *qh = q + h * group * dim, *kh = k_cache + h * dim, *vh = v_cache + h * dim;
+        const float *qh = q + h * group * dim;
+        const void *kh = kv_at(k_cache, h * dim, bf16), *vh = kv_at(v_cache, h * dim, bf16);
         float *oh = out + h * group * dim;
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
         switch (dim) {
-        case 32: attend_avx2(qh, kh, vh, offsets, len, 4, group, scale, scores, oh); continue;
-        case 64: attend_avx2(qh, kh, vh, offsets, len, 8, group, scale, scores, oh); continue;
-        case 128: attend_avx2(qh, kh, vh, offsets, len, 16, group, scale, scores, oh); continue;
+        case 32: attend_avx2(qh, kh, vh, offsets, len, 4, group, scale, bf16, scores, oh); continue;
+        case 64: attend_avx2(qh, kh, vh, offsets, len, 8, group, scale, bf16, scores, oh); continue;
+        case 128: attend_avx2(qh, kh, vh, offsets, len, 16, group, scale, bf16, scores, oh); continue;
         }
 #endif
-        scores_scalar(qh, kh, offsets, len, dim, group, scale, scores);
+        scores_scalar(qh, kh, offsets, len, dim, group, scale, bf16, scores);
         softmax_rows(scores, group, len);
-        weighted_sum_scalar(vh, offsets, len, dim, group, scores, oh);
+        weighted_sum_scalar(vh, offsets, len, dim, group, scores, bf16, oh);
     }
 }
 
-/* Returns 0, or -1 when a task list or scores buffer could not be allocated. */
-int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+static void attend(const float *q, const void *k_cache, const void *v_cache, const int64_t *offsets, int64_t len,
+                   int64_t dim, int64_t heads, int64_t group, float scale, int bf16, float *scores, float *out)
+{
+    if (bf16)
+        attend_kind(q, k_cache, v_cache, offsets, len, dim, heads, group, scale, 1, scores, out);
+    else
+        attend_kind(q, k_cache, v_cache, offsets, len, dim, heads, group, scale, 0, scores, out);
+}
+
+/* kv_bf16: the cache holds bf16 (else fp32). Returns 0, or -1 when a task list or scores buffer
+ * could not be allocated. */
+int paged_attention_f32(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                         const int64_t *pages, int64_t max_pages, const int64_t *seqs, const int64_t *lens,
                         int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size,
-                        float scale, float *out)
+                        float scale, int64_t kv_bf16, float *out)
 {
     /* A task is one KV head of a row, or all of them for a decode row (the only row of
      * its sequence) when there are rows enough to keep every thread busy: a slot's heads
@@ -382,7 +444,7 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k_cache, 
             const int64_t first_q = h * group + (task_q[i] < 0 ? 0 : task_q[i]);
             slot_offsets(pages + seqs[b] * max_pages, lens[b], page_size, num_kv_heads * dim, h * dim, offsets);
             attend(q + b * q_stride + first_q * dim, k_cache, v_cache, offsets, lens[b], dim, heads,
-                   task_q[i] < 0 ? group : 1, scale, scores, out + (b * num_heads + first_q) * dim);
+                   task_q[i] < 0 ? group : 1, scale, kv_bf16 != 0, scores, out + (b * num_heads + first_q) * dim);
         }
         free(scores);
         free(offsets);
