@@ -16,7 +16,7 @@ from backends.cores import parse_cores
 from backends.parameters import typed_parameter
 
 ROLES = ("colocated", "prefill", "decode")
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}  # kv_cache_dtype: vLLM's names
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # kv_cache_dtype
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                  "models", "SmolLM2-135M-Instruct")
 
@@ -32,15 +32,15 @@ class EngineConfig:
         "doc": "auto (TANDEM_DTYPE overrides it): cuda bf16; cpu the checkpoint's own dtype where the CPU has "
                "AVX-512 BF16, or AVX2 without AVX-512 (a bf16 or fp16 checkpoint runs in bf16, an fp32 one in fp32), "
                "else fp32; float32, "
-               "bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations and KV"})
+               "bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations (the KV: kv_cache_dtype)"})
     weights: str = field(default="auto", metadata={
         "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: symmetric int8 weights with an fp16 scale "
-               "per 32 weights of a row (as Q8_0), fp32 activations and KV (cpu with AVX2 and FMA, or AVX-512 BF16)"})
+               "per 32 weights of a row (as Q8_0), fp32 activations (cpu with AVX2 and FMA, or AVX-512 BF16)"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "doc": "auto (the activations' dtype: fp32 on cpu, the dtype on cuda; TANDEM_KV_CACHE_DTYPE overrides it) "
-               "or bfloat16: the KV cache in bf16, half the memory a token takes and half the bytes attention "
-               "reads, each K/V value rounded once as it is stored (cpu: the C attention kernel; cuda: dtype "
-               "bfloat16)"})
+        "doc": "auto (TANDEM_KV_CACHE_DTYPE overrides it): cpu bf16 under bf16 or int8 weights (as vLLM keeps a "
+               "bf16 model's KV in bf16 and llama.cpp its KV in f16), else the activations' dtype; float32; "
+               "bfloat16: half the memory a token takes and half the bytes attention reads, each K/V value "
+               "rounded once as it is stored (cpu: the C attention kernel; cuda: dtype bfloat16)"})
     attention_backend: str = field(default="auto", metadata={
         "doc": "auto (GPU: flashinfer where it imports, else the Triton kernels; CPU: the C decode kernel where it builds, "
                "else torch), torch, cpu, triton or flashinfer"})
@@ -113,7 +113,7 @@ class EngineConfig:
         if self.weights not in ("auto", "int8"):
             raise ValueError(f"weights must be auto or int8, got {self.weights!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.engine_process not in ("auto", "own", "stub"):
             raise ValueError(f"engine_process must be auto, own or stub, got {self.engine_process!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
@@ -207,15 +207,15 @@ class EngineConfig:
             raise ValueError(f"TANDEM_WEIGHTS must be auto or int8, got {name!r}")
         return name
 
-    def kv_dtype(self, activations: torch.dtype) -> torch.dtype:
-        """The KV cache's dtype for a model whose activations are `activations`: kv_cache_dtype,
+    def kv_dtype(self, auto: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype, `auto` standing for auto (the runner's choice): kv_cache_dtype,
         TANDEM_KV_CACHE_DTYPE pinning auto (one benchmark run can serve each)."""
         name = self.kv_cache_dtype
         if name == "auto":
             name = os.environ.get("TANDEM_KV_CACHE_DTYPE") or "auto"
         if name not in KV_CACHE_DTYPES:
-            raise ValueError(f"TANDEM_KV_CACHE_DTYPE must be auto or bfloat16, got {name!r}")
-        return activations if name == "auto" else KV_CACHE_DTYPES[name]
+            raise ValueError(f"TANDEM_KV_CACHE_DTYPE must be auto, float32 or bfloat16, got {name!r}")
+        return auto if name == "auto" else KV_CACHE_DTYPES[name]
 
     def step_budget(self, decodes: int) -> int:
         """The token budget of a step that has `decodes` running decodes. On CPU a prefill

@@ -24,6 +24,10 @@ from kernels.host_pack import IntPack, scatter
 from kernels.torch_ref import TorchAttention
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class Batch:
     """(request, new tokens this step) pairs; `samples` are the requests whose
@@ -91,10 +95,10 @@ class ModelRunner:
             os.sched_setaffinity(0, cfg.cores)   # the process: every thread it starts inherits it
             torch.set_num_threads(1)
         self.model = model or load_model(cfg.model_path, self.device, self.dtype, cfg.weights_kind)
-        self.dtype = self.model.dtype  # activations and KV: fp32 under bf16 weights on a CPU (kernels.linear)
+        self.dtype = self.model.dtype  # activations: fp32 under bf16 weights on a CPU (kernels.linear)
         mc = self.model.cfg
         self.max_context = cfg.context_limit(mc.max_position)
-        self.kv_dtype = cfg.kv_dtype(self.dtype)
+        self.kv_dtype = cfg.kv_dtype(self._auto_kv_dtype(cfg))
         self.pool = KVManager(self._num_pages(), cfg.page_size)
         self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
                                      mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
@@ -166,6 +170,18 @@ class ModelRunner:
         """A graph's page-table width: the pages of the longest context."""
         return -(-self.max_context // self.cfg.page_size)
 
+    def _auto_kv_dtype(self, cfg: EngineConfig) -> torch.dtype:
+        """kv_cache_dtype auto: bf16 on a CPU whose weights are bf16 or int8 under fp32 activations,
+        where the C attention kernel reads it (in-process at 1 / 8 / 16 streams, int8 weights: 1.06 /
+        1.06 / 1.08x the fp32 cache's tok/s, docs/cpu.md); else the activations' dtype (fp32 weights
+        keep transformers' fp32 tokens)."""
+        reduced = self.model.weight_dtype != torch.float32 or cfg.weights_kind == "int8"
+        backend = resolve_backend_name(cfg.attention_backend, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and reduced and backend == "cpu" \
+                and not self.model.cfg.is_dllm:
+            return torch.bfloat16
+        return self.dtype
+
     def _check_kv_dtype(self) -> None:
         """A KV cache in another dtype than the activations needs a kernel that reads it: on a CPU
         the C attention kernel (it widens bf16 rows as it loads them); the GPU kernels read the
@@ -173,10 +189,11 @@ class ModelRunner:
         if self.kv_dtype == self.dtype:
             return
         if self.device.type != "cpu":
-            raise ValueError(f"kv_cache_dtype bfloat16 on {self.device.type} needs dtype bfloat16 "
-                             f"(the model runs in {str(self.dtype).removeprefix('torch.')})")
-        if self.attention_backend != "cpu":
-            raise ValueError(f"kv_cache_dtype bfloat16 on a CPU needs the C attention kernel (attention_backend "
+            raise ValueError(f"kv_cache_dtype {_dtype_name(self.kv_dtype)} on {self.device.type} needs the model's own "
+                             f"dtype ({_dtype_name(self.dtype)})")
+        if self.attention_backend != "cpu" or self.kv_dtype != torch.bfloat16 or self.dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype {_dtype_name(self.kv_dtype)} under {_dtype_name(self.dtype)} activations on a CPU "
+                             f"needs the C attention kernel with fp32 activations and a bf16 cache (attention_backend "
                              f"auto or cpu); this model runs attention_backend {self.attention_backend!r}")
 
     def _num_pages(self) -> int:

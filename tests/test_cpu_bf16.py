@@ -227,7 +227,7 @@ def test_dtype_bfloat16_on_cpu_gets_bf16_weights_fp32_activations_and_the_fused_
     eng = Engine(EngineConfig(model_path=checkpoint("llama"), device="cpu", dtype="bfloat16", num_pages=16))
     model = eng.runner.model
     assert isinstance(model.linear, Bf16PanelLinear) and model.weight_dtype == torch.bfloat16
-    assert model.dtype == torch.float32 and eng.runner.kv.dtype == torch.float32
+    assert model.dtype == torch.float32 and eng.runner.kv.dtype == torch.bfloat16  # kv_cache_dtype auto
     assert model.layers[0].qkv.panels.dtype == torch.bfloat16 and model.lm_head.panels.dtype == torch.bfloat16
     assert isinstance(model.decoder, CpuDecoder) and model.decoder.weights_kind == 1
     assert model.greedy_head is None  # the bf16 head is itself half the fp32 stream: full logits, argmax
@@ -241,6 +241,7 @@ def test_weights_int8_gets_the_int8_panels_and_the_fused_decoder(checkpoint):
     assert isinstance(model.linear, Int8PanelLinear) and model.dtype == torch.float32
     assert model.layers[0].down.panels.dtype == torch.uint8 and model.lm_head.panels.dtype == torch.uint8
     assert isinstance(model.decoder, CpuDecoder) and model.decoder.weights_kind == 2
+    assert eng.runner.kv.dtype == torch.bfloat16  # kv_cache_dtype auto
 
 
 def test_weights_is_checked_by_name(monkeypatch):
@@ -268,7 +269,7 @@ def test_kv_cache_dtype_bfloat16_halves_the_page_and_keeps_the_fused_decoder(che
 def test_kv_cache_dtype_is_checked_by_name_and_kernel(checkpoint, monkeypatch):
     from backends.engine import Engine
     monkeypatch.delenv("TANDEM_KV_CACHE_DTYPE", raising=False)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or bfloat16, got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32 or bfloat16, got 'fp8'"):
         EngineConfig(kv_cache_dtype="fp8")
     monkeypatch.setenv("TANDEM_KV_CACHE_DTYPE", "float16")
     with pytest.raises(ValueError, match="TANDEM_KV_CACHE_DTYPE.*'float16'"):
@@ -278,9 +279,13 @@ def test_kv_cache_dtype_is_checked_by_name_and_kernel(checkpoint, monkeypatch):
     assert EngineConfig(kv_cache_dtype="auto").kv_dtype(torch.float32) == torch.bfloat16
     monkeypatch.delenv("TANDEM_KV_CACHE_DTYPE")
     assert EngineConfig().kv_dtype(torch.float32) == torch.float32
-    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 on a CPU needs the C attention kernel.*'torch'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 under float32 activations on a CPU needs the C "
+                                         "attention kernel.*'torch'"):
         Engine(EngineConfig(model_path=checkpoint("llama"), device="cpu", dtype="float32", num_pages=16,
                             kv_cache_dtype="bfloat16", attention_backend="torch"))
+    torch_attention = Engine(EngineConfig(model_path=checkpoint("llama"), device="cpu", weights="int8", num_pages=16,
+                                          attention_backend="torch"))
+    assert torch_attention.runner.kv.dtype == torch.float32  # auto: bf16 only where the C kernel reads it
 
 
 def test_dtype_auto_on_cpu_follows_the_checkpoint_where_the_cpu_has_bf16(tmp_path, monkeypatch):
@@ -373,8 +378,8 @@ def compare(path: str, tokenizer, batch: list[list[int]] | None = None, **knobs)
 
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at a temperature of",
          "Once upon a time, in a small village,", "The three primary colors are"]
-KINDS = {"bf16": {}, "int8": {"weights": "int8"},  # the engine's knobs besides its dtype
-         "bf16-kv": {"kv_cache_dtype": "bfloat16"}, "int8-kv": {"weights": "int8", "kv_cache_dtype": "bfloat16"}}
+KINDS = {"bf16": {}, "int8": {"weights": "int8"},  # the engine's knobs besides its dtype (auto: a bf16 KV cache)
+         "bf16-fp32kv": {"kv_cache_dtype": "float32"}, "int8-fp32kv": {"weights": "int8", "kv_cache_dtype": "float32"}}
 
 
 @needs_bf16
