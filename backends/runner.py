@@ -188,13 +188,13 @@ class ModelRunner:
         cache in the model's dtype."""
         if self.kv_dtype == self.dtype:
             return
+        kv, activations = _dtype_name(self.kv_dtype), _dtype_name(self.dtype)
         if self.device.type != "cpu":
-            raise ValueError(f"kv_cache_dtype {_dtype_name(self.kv_dtype)} on {self.device.type} needs the model's own "
-                             f"dtype ({_dtype_name(self.dtype)})")
+            raise ValueError(f"kv_cache_dtype {kv} on {self.device.type} needs the model's own dtype ({activations})")
         if self.attention_backend != "cpu" or self.kv_dtype != torch.bfloat16 or self.dtype != torch.float32:
-            raise ValueError(f"kv_cache_dtype {_dtype_name(self.kv_dtype)} under {_dtype_name(self.dtype)} activations on a CPU "
-                             f"needs the C attention kernel with fp32 activations and a bf16 cache (attention_backend "
-                             f"auto or cpu); this model runs attention_backend {self.attention_backend!r}")
+            raise ValueError(f"kv_cache_dtype {kv} under {activations} activations on a CPU needs the C attention "
+                             f"kernel with fp32 activations and a bf16 cache (attention_backend auto or cpu); this "
+                             f"model runs attention_backend {self.attention_backend!r}")
 
     def _num_pages(self) -> int:
         if self.cfg.num_pages:

@@ -103,7 +103,7 @@ class CpuOps(TorchOps):
         as torch rounds)."""
         store = self._lib.store_kv_bf16 if k_cache.dtype == torch.bfloat16 else self._lib.store_kv_f32
         store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
-                               k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr())
+              k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:

@@ -109,8 +109,8 @@ class TorchAttention(AttentionBackend):
     def store_kv(self, k, v, k_cache, v_cache, plan: TorchPlan) -> None:
         slots = plan.meta.slot_mapping
         if slots.numel():
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))  # a bf16 cache: rounded
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
     def forward(self, q, k, v, k_cache, v_cache, plan: TorchPlan, scale: float) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, plan)
