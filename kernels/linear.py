@@ -174,10 +174,10 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.view(n, groups, INT8_GROUP)
     exact = w.abs().amax(dim=2) / 127
     scale = exact.to(torch.float16)
-    if not torch.isfinite(scale).all():
-        raise ValueError("weights int8: a group of 32 weights has |w| too large for an fp16 scale (or not finite)")
     bits = scale.view(torch.int16)  # positive fp16 in bit order: + 1 is the next one up
     scale = torch.where(scale.float() < exact, bits + 1, bits).clamp_(min=1).view(torch.float16)
+    if not (torch.isfinite(exact).all() and torch.isfinite(scale).all()):
+        raise ValueError("weights int8: a group of 32 weights has |w| too large for an fp16 scale (or not finite)")
     q = (w / scale.float()[:, :, None]).round_().clamp_(-127, 127)
     return q.view(n, -1), scale
 

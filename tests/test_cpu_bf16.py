@@ -175,6 +175,18 @@ def test_the_tiles_follow_onednns_isa_cap(cap, tiles, uncapped_tiles):
     assert got == (uncapped_tiles if tiles else ["False", "False"])
 
 
+def test_int8_scales_past_fp16_or_not_finite_are_refused():
+    """A scale rounds up to fp16: a group whose largest |w| / 127 passes fp16's largest value (or
+    a NaN or an infinity in it) cannot be packed, and says so; the largest that fits packs."""
+    w = torch.ones(2, 32)
+    w[0, 0] = 65504 * 127
+    assert int8_groups(w)[1][0, 0].item() == 65504
+    for bad in (65504 * 127 * 1.001, float("nan"), float("inf")):
+        w[0, 0] = bad
+        with pytest.raises(ValueError, match="too large for an fp16 scale"):
+            int8_groups(w)
+
+
 def test_int8_pack_holds_the_group_scales_after_the_panels():
     w = torch.zeros(3, 35)
     w[0, :3], w[2, :3], w[0, 33] = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([3.0, 1.0, -1.0]), 4.0
