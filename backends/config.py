@@ -254,6 +254,11 @@ class EngineConfig:
         return self.core_turns == "on" or (self.core_turns == "auto" and self.role != "colocated")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """float32, bfloat16, ...: a torch dtype as the parameters and messages spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.config import EngineConfig
+from backends.config import EngineConfig, dtype_name
 from backends.cores import CoreTurns
 from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
 from backends.kv_cache import KVManager, allocate_kv_buffer
@@ -22,10 +22,6 @@ from kernels import AttentionMetadata, create_backend, resolve_backend_name
 from kernels.decoder import pick_decoder
 from kernels.host_pack import IntPack, scatter
 from kernels.torch_ref import TorchAttention
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -98,10 +94,6 @@ class ModelRunner:
         self.dtype = self.model.dtype  # activations: fp32 under bf16 weights on a CPU (kernels.linear)
         mc = self.model.cfg
         self.max_context = cfg.context_limit(mc.max_position)
-        self.kv_dtype = cfg.kv_dtype(self._auto_kv_dtype(cfg))
-        self.pool = KVManager(self._num_pages(), cfg.page_size)
-        self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
-                                     mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
         if mc.is_dllm:  # block-causal attention: the torch backend's masks, no fused decoder
             if cfg.attention_backend not in ("auto", "torch"):
                 raise ValueError(f"attention_backend {cfg.attention_backend!r} has no block-causal attention "
@@ -114,7 +106,11 @@ class ModelRunner:
             self.model.decoder = pick_decoder(self.model, self.attn)
             self.model.fused_kv = self.attention_backend == "triton" and not mc.qk_norm \
                 and hasattr(self.model.ops, "rope_store")
+        self.kv_dtype = cfg.kv_dtype(self._auto_kv_dtype(cfg))
         self._check_kv_dtype()
+        self.pool = KVManager(self._num_pages(), cfg.page_size)
+        self.kv = allocate_kv_buffer(mc.num_layers, self.pool.num_pages, cfg.page_size,
+                                     mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
         self.model.build_rope_tables(self.max_context)
         # held by the scheduler around a step's forward and sampling
         self.turns = CoreTurns(cfg.cores, first=cfg.role == "prefill") if cfg.takes_turns else None
@@ -176,9 +172,7 @@ class ModelRunner:
         1.06 / 1.08x the fp32 cache's tok/s, docs/cpu.md); else the activations' dtype (fp32 weights
         keep transformers' fp32 tokens)."""
         reduced = self.model.weight_dtype != torch.float32 or cfg.weights_kind == "int8"
-        backend = resolve_backend_name(cfg.attention_backend, self.device)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and reduced and backend == "cpu" \
-                and not self.model.cfg.is_dllm:
+        if self.device.type == "cpu" and self.dtype == torch.float32 and reduced and self.attention_backend == "cpu":
             return torch.bfloat16
         return self.dtype
 
@@ -188,7 +182,7 @@ class ModelRunner:
         cache in the model's dtype."""
         if self.kv_dtype == self.dtype:
             return
-        kv, activations = _dtype_name(self.kv_dtype), _dtype_name(self.dtype)
+        kv, activations = dtype_name(self.kv_dtype), dtype_name(self.dtype)
         if self.device.type != "cpu":
             raise ValueError(f"kv_cache_dtype {kv} on {self.device.type} needs the model's own dtype ({activations})")
         if self.attention_backend != "cpu" or self.kv_dtype != torch.bfloat16 or self.dtype != torch.float32:

@@ -38,6 +38,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from backends.config import dtype_name
+
 log = logging.getLogger(__name__)
 
 _APP = b"A"  # application message or write notification
@@ -48,10 +50,6 @@ _BIND_TRIES = 8
 
 class TransferError(RuntimeError):
     """Peer unreachable, handshake refused, peer gone, or a transfer failed."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,8 @@ class KVLayout:
     def of(cls, kv: torch.Tensor, meta: torch.Tensor) -> "KVLayout":
         layers, _, _, page_size, heads, head_dim = kv.shape
         page_bytes = page_size * heads * head_dim * kv.element_size()
-        return cls(layers, page_size, heads, head_dim, _dtype_name(kv.dtype), page_bytes,
-                   meta.shape[1], _dtype_name(meta.dtype))
+        return cls(layers, page_size, heads, head_dim, dtype_name(kv.dtype), page_bytes,
+                   meta.shape[1], dtype_name(meta.dtype))
 
     def mismatches(self, peer: "KVLayout") -> list[str]:
         return [f"{f.name} {getattr(self, f.name)} here vs {getattr(peer, f.name)} on peer"

@@ -52,10 +52,10 @@ int decoder_layers_f32(const struct decoder_shape *s, float *residual, const int
                        float *x, float *qkv, float *attn, float *h, float *gate_up, float *act, uint32_t *xb)
 {
     const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, width = q_size + 2 * kv_size;
-    const int64_t element = s->kv_bf16 ? 2 : 4;
     for (int64_t l = 0; l < s->layers; l++) {
         const float *const *w = (const float *const *)(weights + 6 * l); /* w[1, 2, 4, 5]: by s->weights */
-        char *k_cache = (char *)kv + l * kv_layer_stride * element, *v_cache = k_cache + v_offset * element;
+        char *k_cache = (char *)kv + l * kv_layer_stride * kv_element_bytes(s->kv_bf16);
+        char *v_cache = k_cache + v_offset * kv_element_bytes(s->kv_bf16);
         add_rms_norm_f32(residual, l ? h : NULL, w[0], x, s->rows, s->hidden, s->eps);
         if (gemm(s, x, s->hidden, w[1], width, s->hidden, qkv, xb) != 0)
             return -1;

@@ -53,12 +53,12 @@ static void slot_offsets(const int64_t *pages, int64_t len, int64_t page_size, i
 }
 
 /* A cache element's bytes: 4 (fp32) or 2 (bf16); offsets count elements. */
-static inline int64_t kv_size(int bf16) { return bf16 ? 2 : 4; }
+static inline int64_t kv_element_bytes(int bf16) { return bf16 ? 2 : 4; }
 
 /* Element `offset` of a cache. */
 static inline const void *kv_at(const void *cache, int64_t offset, int bf16)
 {
-    return (const char *)cache + offset * kv_size(bf16);
+    return (const char *)cache + offset * kv_element_bytes(bf16);
 }
 
 /* A row as fp32: itself, or its bf16 widened into `wide` (exact), so the loops below sum in
@@ -79,7 +79,7 @@ static inline void prefetch_row(const void *cache, const int64_t *offsets, int64
                                 int bf16)
 {
     if (t < len)
-        for (int64_t b = 0; b < dim * kv_size(bf16); b += 64)
+        for (int64_t b = 0; b < dim * kv_element_bytes(bf16); b += 64)
             __builtin_prefetch((const char *)kv_at(cache, offsets[t], bf16) + b);
 }
 
