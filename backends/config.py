@@ -81,10 +81,11 @@ class EngineConfig:
     dllm_mixed_batches: str = field(default="off", metadata={
         "doc": "block-diffusion models: on = prefill and denoising work share steps (for comparison; off "
                "keeps them apart)"})
-    overlap: str = field(default="off", metadata={
+    overlap: str = field(default="auto", metadata={
         "doc": "on = the next step is scheduled and launched while the last one's tokens are streamed (a "
                "forward thread runs the steps, a decode's input token is resolved when its step starts; after a "
-               "step of plain greedy rows, from its tokens on the device, without waiting for the host); off"})
+               "step of plain greedy rows, from its tokens on the device, without waiting for the host); off; "
+               "auto = on on cuda (measured faster there, docs/gpu.md), off on cpu and for block-diffusion models"})
     prefix_caching: str = field(default="auto", metadata={
         "doc": "reuse the KV of prompt prefixes computed before (full pages, matched by their tokens): on; off; "
                "auto = on. decode: the prompt pages it already holds (received or decoded for an earlier "
@@ -106,8 +107,8 @@ class EngineConfig:
             raise ValueError(f"dllm_threshold must be > 0 and <= 1, got {self.dllm_threshold!r}")
         if self.dllm_mixed_batches not in ("on", "off"):
             raise ValueError(f"dllm_mixed_batches must be on or off, got {self.dllm_mixed_batches!r}")
-        if self.overlap not in ("on", "off"):
-            raise ValueError(f"overlap must be on or off, got {self.overlap!r}")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.prefix_caching not in ("auto", "on", "off"):
             raise ValueError(f"prefix_caching must be auto, on or off, got {self.prefix_caching!r}")
         if self.weights not in ("auto", "int8"):
@@ -142,6 +143,13 @@ class EngineConfig:
         if self.engine_process == "auto":
             return self.torch_device.type == "cuda"
         return self.engine_process == "own"
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps overlap (a block-diffusion model's never do: refused when on, off under auto)."""
+        if self.overlap == "auto":
+            return self.torch_device.type == "cuda"
+        return self.overlap == "on"
 
     def for_rank(self, rank: int) -> "EngineConfig":
         """One DP rank's engine: its share of the cores (cpu) or its own GPU (cuda)."""

@@ -88,7 +88,7 @@ class Scheduler:
         self.dllm_block, self.mask_id = runner.model.cfg.dllm_block_size, runner.model.cfg.mask_token_id
         self.last_dllm_mode = "prefill"
         self.dp = None  # backends.dp.DpStep when this engine is one rank of a DP-attention group
-        self.overlap = cfg.overlap == "on"
+        self.overlap = cfg.overlaps and not self.dllm_block
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-forward") if self.overlap else None
         self.in_flight: Step | None = None
         self.steps_launched = 0

@@ -214,8 +214,8 @@ def release(engine) -> None:
 
 
 def variant(args, cfg, ours, tokenizer, config, dtype, hw, name: str) -> list[dict]:
-    """The levels again with one thing changed: `overlap` on, or `torch-ops` (the torch
-    composites instead of the fused Triton ops: what those gained)."""
+    """The levels again with one thing changed: `overlap-on` / `overlap-off`, or `torch-ops` (the
+    torch composites instead of the fused Triton ops: what those gained)."""
     from kernels.layer_ops import TorchOps
 
     print(f"variant {name}", flush=True)
@@ -223,10 +223,11 @@ def variant(args, cfg, ours, tokenizer, config, dtype, hw, name: str) -> list[di
     try:
         if name == "torch-ops":
             ours.ops = TorchOps()
-        elif name != "overlap":
-            raise ValueError(f"unknown variant {name!r} (overlap, torch-ops)")
-        return engine_levels(args, cfg.replace(overlap="on") if name == "overlap" else cfg, ours, tokenizer,
-                             config, dtype, hw)
+        elif name in ("overlap-on", "overlap-off"):
+            cfg = cfg.replace(overlap=name.removeprefix("overlap-"))
+        else:
+            raise ValueError(f"unknown variant {name!r} (overlap-on, overlap-off, torch-ops)")
+        return engine_levels(args, cfg, ours, tokenizer, config, dtype, hw)
     finally:
         ours.ops = ops
 
@@ -331,10 +332,10 @@ def parse_args(argv=None):
     p.add_argument("--output-tokens", type=int, default=None, help="default: 256 on cuda, 8 on cpu")
     p.add_argument("--levels", default=None, help="streams:prompt,...; default 1:128,16:128,64:128,64:1024 "
                                                   "(cpu: 1:16,4:32)")
-    p.add_argument("--overlap", choices=("on", "off"), default="off")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="the engine's overlap")
     p.add_argument("--max-context", type=int, default=None,
                    help="the engine's max_context (the decode graphs' page-table width); default 8192 on cuda")
-    p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap, torch-ops")
+    p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap-on, overlap-off, torch-ops")
     p.add_argument("--serve", default=None, metavar="TRITONSERVER_DIR",
                    help="also serve the model with this tritonserver tree (scripts/gpu_serve_prepare.sh)")
     p.add_argument("--serve-sets", nargs="+", default=[""], metavar="NAME=VALUE,...",
@@ -376,7 +377,7 @@ def main(argv=None) -> dict:
         cfg = EngineConfig(model_path=path, device=args.device, dtype=str(dtype).removeprefix("torch."),
                            max_running_requests=max_streams, num_pages=max_pages + 16,
                            max_context=args.max_context, overlap=args.overlap)
-        report = dict(environment=environment(device), shape=args.shape, config=config, overlap=args.overlap,
+        report = dict(environment=environment(device), shape=args.shape, config=config, overlap=cfg.overlaps,
                       max_context=args.max_context, hardware=hw)
         report["engine"] = engine_levels(args, cfg, ours, tokenizer, config, dtype, hw)
         save(report, args.out, t0)  # each part is kept if a later one fails or hangs
