@@ -5,6 +5,7 @@ with overlap on; these are the cases only overlap has."""
 import threading
 
 import pytest
+import torch
 
 from backends.request import SamplingParams
 from tests.engine_utils import assert_pool_whole, collect, idle_pages, small_engine, token_ids
@@ -119,6 +120,16 @@ def test_bad_overlap_value_is_refused(checkpoint):
     from backends.config import EngineConfig
     with pytest.raises(ValueError, match="overlap"):
         EngineConfig(model_path=checkpoint("llama"), overlap="yes")
+
+
+def test_overlap_auto_is_on_on_cuda_only(checkpoint, monkeypatch):
+    from backends.config import EngineConfig
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a config for a GPU, never loaded
+    path = checkpoint("llama")
+    assert EngineConfig(model_path=path, device="cuda").overlaps
+    assert not EngineConfig(model_path=path, device="cpu").overlaps
+    assert not EngineConfig(model_path=path, device="cuda", overlap="off").overlaps
+    assert EngineConfig(model_path=path, device="cpu", overlap="on").overlaps
 
 
 @pytest.mark.server
