@@ -57,6 +57,7 @@ class Stream:
         self.t0 = time.perf_counter()
         self.stamps: list[float] = []
         self.tokens = 0
+        self.ids: list[int] = []
         self.error: str | None = None
         self.on_done = on_done
 
@@ -64,6 +65,7 @@ class Stream:
         if out.token_ids:
             self.stamps.append(time.perf_counter())
             self.tokens += len(out.token_ids)
+            self.ids.extend(out.token_ids)
         self.error = self.error or out.error
         if out.finished or out.error:
             self.on_done(self)
@@ -111,6 +113,7 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
                 ttft=ms([s.stamps[0] - s.t0 for s in done]),
                 itl=ms([(s.stamps[-1] - s.stamps[0]) / (s.tokens - 1) for s in done if s.tokens > 1]),
                 latency=ms([s.stamps[-1] - s.t0 for s in done]), osl=[s.tokens for s in done],
+                ids=[s.ids for s in done],  # in the order the requests finished
                 foreign=foreign / (os.cpu_count() * wall))
 
 

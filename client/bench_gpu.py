@@ -146,8 +146,11 @@ def run_level(engine, prompts: list[list[int]], output_tokens: int) -> dict:
 
     params = SamplingParams(max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True)
     r = wave(engine, prompts, len(prompts), params)
-    return dict(tok_s=r["tok_s"], ttft_p50_ms=float(np.median(r["ttft"])), itl_p50_ms=float(np.median(r["itl"])),
-                tokens=r["tokens"])
+    row = dict(tok_s=r["tok_s"], ttft_p50_ms=float(np.median(r["ttft"])), itl_p50_ms=float(np.median(r["itl"])),
+               tokens=r["tokens"])
+    if len(prompts) == 1:  # its greedy ids: every variant's one stream runs the same bucket, so the same ids
+        row["ids"] = r["ids"][0]
+    return row
 
 
 def run_peer(hf, prompts: list[list[int]], output_tokens: int) -> dict:
@@ -277,6 +280,16 @@ def peer_levels(args, hf, config, rows) -> None:
         print(f"  peer {level}: {row['peer']}", flush=True)
 
 
+def same_ids(rows: list[dict], main: list[dict]) -> list[dict]:
+    """Marks a variant's one-stream rows with whether their greedy ids are the main run's (a
+    check of overlap's tokens fed on the device, and of the torch ops against the fused ones)."""
+    ids = {(r["streams"], r["prompt_tokens"]): r["ids"] for r in main if "ids" in r}
+    for r in rows:
+        if "ids" in r and (r["streams"], r["prompt_tokens"]) in ids:
+            r["ids_equal_main"] = r["ids"] == ids[(r["streams"], r["prompt_tokens"])]
+    return rows
+
+
 def row_line(r: dict) -> str:
     graph = "-" if r["graph_ms"] is None else f"{r['graph_ms']:.2f} ms ({r['graph_over_itl']:.2f})"
     return (f"{r['streams']:>3} x {r['prompt_tokens']:>4}: {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.1f} ms"
@@ -299,7 +312,9 @@ def table(report: dict) -> str:
     for name, rows in report.get("variants", {}).items():
         lines.append(f"\nvariant {name}: " + "; ".join(
             f"{r['streams']} x {r['prompt_tokens']}: {r['tok_s']:.0f} tok/s, ITL {r['itl_p50_ms']:.2f} ms, "
-            f"graph {fmt(r['graph_ms'])} ms" for r in rows))
+            f"graph {fmt(r['graph_ms'])} ms" + ("" if "ids_equal_main" not in r else
+                                                 f", ids {'equal' if r['ids_equal_main'] else 'DIFFER from'} the main run's")
+            for r in rows))
     engine = {f"{r['streams']}x{r['prompt_tokens']}": r["tok_s"] for r in report["engine"]}
     for name, served in report.get("served_sets", {}).items():
         lines.append(f"\ntritonserver with {name}: " + ("failed: " + served["error"] if "error" in served else "; ".join(
@@ -385,7 +400,8 @@ def main(argv=None) -> dict:
             serve(args, cfg, hf, tokenizer, report)
             save(report, args.out, t0)
         for name in args.variants:
-            report.setdefault("variants", {})[name] = variant(args, cfg, ours, tokenizer, config, dtype, hw, name)
+            rows = variant(args, cfg, ours, tokenizer, config, dtype, hw, name)
+            report.setdefault("variants", {})[name] = same_ids(rows, report["engine"])
             save(report, args.out, t0)
         del ours
         if device.type == "cuda":

@@ -39,6 +39,7 @@ def test_cpu_smoke_run_writes_the_report_and_serves(tmp_path):
     assert [(r["streams"], r["prompt_tokens"]) for r in report["engine"]] == [(1, 16), (16, 24)]
     for row in report["engine"] + report["variants"]["torch-ops"] + report["variants"]["overlap-on"]:
         assert row["tokens"] == row["streams"] * 6 and row["tok_s"] > 0 and row["roofline_ms"] > 0
+    assert len(report["engine"][0]["ids"]) == 6 and report["variants"]["overlap-on"][0]["ids_equal_main"] is True
     assert "error" not in report["served"], report["served"]
     assert report["served"]["16x24"]["tokens"] == 16 * 6
     assert report["engine"][1]["served_over_engine"] > 0
