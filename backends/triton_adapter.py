@@ -86,8 +86,10 @@ class EngineModel(StreamingModel):
     def _start(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            get = lambda name: (t.as_numpy() if (t := self.pb.get_input_tensor_by_name(request, name)) is not None
-                                else None)
+            # by name once: pb.get_input_tensor_by_name walks request.inputs(), which wraps every
+            # input again on each call (parse_request asks for about twenty names)
+            inputs = {t.name(): t for t in request.inputs()}
+            get = lambda name: t.as_numpy() if (t := inputs.get(name)) is not None else None
             room = control_room(get)
             if room is not None:
                 self.engine.abort(room_request_id(room))
