@@ -21,6 +21,7 @@ fp32 (a smoke test: CI runs it); the figures then mean nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -217,8 +218,9 @@ def release(engine) -> None:
 
 
 def variant(args, cfg, ours, tokenizer, config, dtype, hw, name: str) -> list[dict]:
-    """The levels again with one thing changed: `overlap-on` / `overlap-off`, or `torch-ops` (the
-    torch composites instead of the fused Triton ops: what those gained)."""
+    """The levels again with one thing changed: engine settings (`overlap=off`,
+    `max_batch_tokens=512`, ...), or `torch-ops` (the torch composites instead of the fused
+    Triton ops: what those gained)."""
     from kernels.layer_ops import TorchOps
 
     print(f"variant {name}", flush=True)
@@ -226,13 +228,23 @@ def variant(args, cfg, ours, tokenizer, config, dtype, hw, name: str) -> list[di
     try:
         if name == "torch-ops":
             ours.ops = TorchOps()
-        elif name in ("overlap-on", "overlap-off"):
-            cfg = cfg.replace(overlap=name.removeprefix("overlap-"))
         else:
-            raise ValueError(f"unknown variant {name!r} (overlap-on, overlap-off, torch-ops)")
+            cfg = with_settings(cfg, parse_sets(name))
         return engine_levels(args, cfg, ours, tokenizer, config, dtype, hw)
     finally:
         ours.ops = ops
+
+
+def with_settings(cfg, sets: dict[str, str]):
+    """cfg with config.pbtxt-style settings (strings, typed by each knob's default); an unknown
+    name is refused."""
+    from backends.parameters import typed_parameter
+
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if unknown := sorted(set(sets) - set(defaults)):
+        raise ValueError(f"unknown variant setting(s) {unknown}: a variant is torch-ops or engine settings "
+                         "NAME=VALUE,...")
+    return cfg.replace(**{name: typed_parameter(name, text, defaults[name]) for name, text in sets.items()})
 
 
 def serve(args, cfg, hf, tokenizer, report: dict) -> None:
@@ -264,6 +276,8 @@ def serve(args, cfg, hf, tokenizer, report: dict) -> None:
 
 def parse_sets(text: str) -> dict[str, str]:
     """"name=value,name=value" -> {name: value}"""
+    if bad := [item for item in text.split(",") if item and "=" not in item]:
+        raise ValueError(f"{bad[0]!r}: settings are NAME=VALUE,...")
     return dict(item.split("=", 1) for item in text.split(",") if item)
 
 
@@ -350,7 +364,9 @@ def parse_args(argv=None):
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="the engine's overlap")
     p.add_argument("--max-context", type=int, default=None,
                    help="the engine's max_context (the decode graphs' page-table width); default 8192 on cuda")
-    p.add_argument("--variants", default="", help="comma-separated reruns of the levels: overlap-on, overlap-off, torch-ops")
+    p.add_argument("--variants", nargs="+", default=[], metavar="VARIANT",
+                   help="reruns of the levels, each torch-ops or engine settings NAME=VALUE,... "
+                        "(e.g. overlap=off max_batch_tokens=512)")
     p.add_argument("--serve", default=None, metavar="TRITONSERVER_DIR",
                    help="also serve the model with this tritonserver tree (scripts/gpu_serve_prepare.sh)")
     p.add_argument("--serve-sets", nargs="+", default=[""], metavar="NAME=VALUE,...",
@@ -361,7 +377,6 @@ def parse_args(argv=None):
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch")
     p.add_argument("--out", default="artifacts/gpu-bench")
     args = p.parse_args(argv)
-    args.variants = [v for v in args.variants.split(",") if v]
     cuda = args.device.startswith("cuda")
     args.shape = args.shape or ("8b" if cuda else "tiny")
     args.output_tokens = args.output_tokens or (256 if cuda else 8)

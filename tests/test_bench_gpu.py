@@ -32,14 +32,14 @@ def test_cpu_smoke_run_writes_the_report_and_serves(tmp_path):
                           f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "pytriton",
                           "tritonserver")
     proc = subprocess.run([sys.executable, "-m", "client.bench_gpu", "--out", str(tmp_path), "--no-peer",
-                           "--levels", "1:16,16:24", "--output-tokens", "6", "--variants", "torch-ops,overlap-on",
+                           "--levels", "1:16,16:24", "--output-tokens", "6", "--variants", "torch-ops", "overlap=on",
                            "--serve", server], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert [(r["streams"], r["prompt_tokens"]) for r in report["engine"]] == [(1, 16), (16, 24)]
-    for row in report["engine"] + report["variants"]["torch-ops"] + report["variants"]["overlap-on"]:
+    for row in report["engine"] + report["variants"]["torch-ops"] + report["variants"]["overlap=on"]:
         assert row["tokens"] == row["streams"] * 6 and row["tok_s"] > 0 and row["roofline_ms"] > 0
-    assert len(report["engine"][0]["ids"]) == 6 and report["variants"]["overlap-on"][0]["ids_equal_main"] is True
+    assert len(report["engine"][0]["ids"]) == 6 and report["variants"]["overlap=on"][0]["ids_equal_main"] is True
     assert "error" not in report["served"], report["served"]
     assert report["served"]["16x24"]["tokens"] == 16 * 6
     assert report["engine"][1]["served_over_engine"] > 0
