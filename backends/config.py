@@ -146,7 +146,8 @@ class EngineConfig:
 
     @property
     def overlaps(self) -> bool:
-        """Whether steps overlap (a block-diffusion model's never do: refused when on, off under auto)."""
+        """Whether steps overlap, as the device decides `auto`; the scheduler keeps a block-diffusion
+        model's steps apart all the same (`on` is refused for one at load)."""
         if self.overlap == "auto":
             return self.torch_device.type == "cuda"
         return self.overlap == "on"

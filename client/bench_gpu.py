@@ -387,7 +387,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from backends.config import EngineConfig
+    from backends.config import EngineConfig, dtype_name
 
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -404,7 +404,7 @@ def main(argv=None) -> dict:
         args.scratch = path
         write_checkpoint_dir(path, config)
         hf, ours, tokenizer = build_models(path, device, dtype)
-        cfg = EngineConfig(model_path=path, device=args.device, dtype=str(dtype).removeprefix("torch."),
+        cfg = EngineConfig(model_path=path, device=args.device, dtype=dtype_name(dtype),
                            max_running_requests=max_streams, num_pages=max_pages + 16,
                            max_context=args.max_context, overlap=args.overlap)
         report = dict(environment=environment(device), shape=args.shape, config=config, overlap=cfg.overlaps,
