@@ -1,4 +1,7 @@
 """The router's endpoint choice and health, without servers (backends.disagg.endpoints)."""
+import collections
+import time
+
 import pytest
 
 from backends.disagg.endpoints import (PIECE_CHARS, Endpoint, Endpoints, PrefixMemory, RoutingConfig,
@@ -116,3 +119,40 @@ def test_routing_config_refuses_bad_values_naming_them():
         RoutingConfig(decode_policy="cache_aware")
     with pytest.raises(ValueError, match="cache_threshold must be in"):
         RoutingConfig(cache_threshold=1.5)
+
+
+def test_the_health_thread_asks_remote_endpoints_only_and_the_request_path_brings_local_ones_back():
+    from backends.disagg.router import HealthChecker
+    asked, down = collections.Counter(), set()
+
+    def describe(ep: Endpoint) -> dict:
+        asked[ep.label] += 1
+        if ep.label in down:
+            raise RuntimeError("down")
+        return _good(ep)
+
+    def wait_remote_checks(count: int) -> None:
+        target, deadline = asked["prefill p:1"] + count, time.monotonic() + 10
+        while asked["prefill p:1"] < target:
+            assert time.monotonic() < deadline, "the health thread stopped asking the remote endpoint"
+            time.sleep(0.005)
+    eps = Endpoints([Endpoint("prefill", "local", None), Endpoint("prefill", "p:1", None)],
+                    [Endpoint("decode", "local", None)],
+                    RoutingConfig(health_interval_s=0.01, unhealthy_after=1, healthy_after=2), describe)
+    local = eps.prefill[0]
+    health = HealthChecker(eps)
+    try:
+        wait_remote_checks(5)
+        assert asked["prefill local"] == asked["decode local"] == 0
+        health.check_out("prefill")   # never answered: asked once, and in
+        assert local.healthy and asked["prefill local"] == 1
+        down.add(local.label)
+        assert not eps.check(local) and not local.healthy   # a failed request's check
+        down.clear()
+        wait_remote_checks(5)
+        assert not local.healthy and asked["prefill local"] == 2   # nothing but the request path asks it
+        health.check_out("prefill")   # healthy_after good checks in a row, at once
+        assert local.healthy and asked["prefill local"] == 4 and asked["decode local"] == 0
+    finally:
+        health.stop()
+    assert not health.thread.is_alive()

@@ -360,7 +360,6 @@ class RouterModel(StreamingModel):
                 log.error("forwarding decode's tokens failed: %r", exc)
 
     def _start(self, request) -> None:
-        self.health.serving.set()
         sender = request.get_response_sender()
         # Copies: the numbers' arrays are views of the request's shared memory, which the
         # server frees once execute returns, before the worker threads read them.
@@ -409,7 +408,7 @@ class RouterModel(StreamingModel):
         for kind in ("decode", "prefill"):
             ep = self.endpoints.choose(kind, chain, avoid)
             if ep is None:
-                self.health.check_new(kind)  # endpoints that never answered yet (the server is starting)
+                self.health.check_out(kind)  # never answered yet (the server is starting), or local and out
                 ep = self.endpoints.choose(kind, chain, avoid)
             if ep is None:
                 down = ", ".join(e.address for e in getattr(self.endpoints, kind))
@@ -515,14 +514,17 @@ class RouterModel(StreamingModel):
 
 
 class HealthChecker:
-    """Checks every endpoint every health_interval_s, in a thread of its own. Local endpoints
-    only once a client request has come: a BLS request to a model the server is still loading
-    crashed tritonserver 2.51 (a segfault in libtriton_python.so, the router's checks starting
-    while the other models loaded); until then they are checked when a request needs them."""
+    """Checks every remote endpoint every health_interval_s, in a thread of its own. A model in
+    this server (`local`) is checked on the request path only (`check_out`, and after a failed
+    request), where the server waits for the check before it unloads anything. Sent from this
+    thread, a check that went out as the server began to stop was never answered, and
+    tritonserver 2.51 crashed unloading the router with it pending (Signal 11 in
+    libtriton_python.so); asking the server whether the model is ready instead crashed the stub
+    (docs/shutdown.md). While the server was loading the other models, such a check crashed it
+    too."""
 
     def __init__(self, endpoints: Endpoints):
         self.endpoints = endpoints
-        self.serving = threading.Event()   # a client request has come: the server is up
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tandem-health", daemon=True)
         self.thread.start()
@@ -532,15 +534,22 @@ class HealthChecker:
             for ep in self.endpoints.all:
                 if self.stopped.is_set():
                     return
-                if ep.address != "local" or self.serving.is_set():
+                if ep.address != "local":
                     self.endpoints.check(ep)
             if self.stopped.wait(self.endpoints.cfg.health_interval_s):
                 return
 
-    def check_new(self, kind: str) -> None:
+    def check_out(self, kind: str) -> None:
+        """On the request path, when no endpoint of a kind is in the rotation: those that never
+        answered, and the local ones out of it, are asked who they are (a local one as many
+        times in a row as returning takes: nothing else checks it)."""
         for ep in getattr(self.endpoints, kind):
             if ep.identity is None:
                 self.endpoints.check(ep)
+            elif ep.address == "local" and not ep.healthy:
+                for _ in range(self.endpoints.cfg.healthy_after):
+                    if not self.endpoints.check(ep):
+                        break
 
     def stop(self) -> None:
         self.stopped.set()
