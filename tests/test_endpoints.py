@@ -1,4 +1,5 @@
-"""The router's endpoint choice and health, without servers (backends.disagg.endpoints)."""
+"""The router's endpoint choice and health, without servers (backends.disagg.endpoints, and the
+router's health thread and local `describe` over a stand-in for the stub's BLS)."""
 import collections
 import time
 
@@ -156,3 +157,53 @@ def test_the_health_thread_asks_remote_endpoints_only_and_the_request_path_bring
     finally:
         health.stop()
     assert not health.thread.is_alive()
+
+
+class _Response:
+    def __init__(self, error: str | None = None, text: bytes = b""):
+        self.message, self.text = error, text
+
+    def has_error(self) -> bool:
+        return self.message is not None
+
+    def error(self):
+        return type("Error", (), {"message": lambda _: self.message})()
+
+    def output_tensors(self) -> list:
+        import numpy as np
+        array = np.array([self.text], dtype=np.object_)
+        return [type("Tensor", (), {"name": lambda _: "text_output", "as_numpy": lambda _: array})()]
+
+
+class _Pb:
+    """What LocalChild.describe uses of triton_python_backend_utils: exec answers `responses`."""
+
+    def __init__(self, responses: list):
+        self.iterator = iter(responses)
+        pb = self
+
+        class InferenceRequest:
+            def __init__(self, **_):
+                pass
+
+            def exec(self, decoupled: bool):
+                return pb.iterator
+        self.InferenceRequest = InferenceRequest
+        self.Tensor = lambda name, array: (name, array)
+
+
+@pytest.mark.parametrize("responses, error", [([_Response(text=b'{"role": "decode"}')], None),
+                                              ([_Response("Server not ready")], "Server not ready"),
+                                              ([_Response("first"), _Response(text=b"{}")], "first")])
+def test_a_local_describe_retires_its_responses_when_it_fails_too(responses, error):
+    """The stub frees an iterator Python dropped without the GIL (backends.disagg.router.Retired)."""
+    from backends.disagg.router import LocalChild, Retired
+    retired = Retired()
+    pb = _Pb(responses)
+    child = LocalChild(pb, "decode", retired)
+    if error:
+        with pytest.raises(RuntimeError, match=error):
+            child.describe()
+    else:
+        assert child.describe() == {"role": "decode"}
+    assert retired.take() == [pb.iterator] and next(pb.iterator, None) is None   # read to its end

@@ -129,12 +129,17 @@ class LocalChild:
                 self.pb.Tensor("text_input", np.array([b"-"], dtype=np.object_)),
                 self.pb.Tensor("describe", np.array([True]))])
         responses = request.exec(decoupled=True)
-        answers = []
-        for response in responses:
-            if response.has_error():
-                raise RuntimeError(response.error().message())
-            answers += [t.as_numpy() for t in response.output_tensors() if t.name() == "text_output"]
-        self.retired.add(responses)
+        answers, errors = [], []
+        try:   # read to its end, an error included: the iterator is retired only then (Retired)
+            for response in responses:
+                if response.has_error():
+                    errors.append(response.error().message())
+                else:
+                    answers += [t.as_numpy() for t in response.output_tensors() if t.name() == "text_output"]
+        finally:
+            self.retired.add(responses)
+        if errors:
+            raise RuntimeError(errors[0])
         return describe_answer(answers)
 
     def cancel(self, room: int) -> None:
@@ -143,9 +148,11 @@ class LocalChild:
             inputs=[self.pb.Tensor("text_input", np.array([b"-"], dtype=np.object_)),
                     self.pb.Tensor("cancel_room", np.array([room], dtype=np.uint64))])
         responses = request.exec(decoupled=True)
-        for _ in responses:
-            pass
-        self.retired.add(responses)
+        try:
+            for _ in responses:
+                pass
+        finally:
+            self.retired.add(responses)
 
 
 class RemoteChild:
