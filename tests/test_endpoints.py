@@ -159,6 +159,33 @@ def test_the_health_thread_asks_remote_endpoints_only_and_the_request_path_bring
     assert not health.thread.is_alive()
 
 
+
+def test_a_local_endpoint_out_of_the_rotation_is_asked_again_once_an_interval_on_the_request_path():
+    from backends.disagg.router import HealthChecker
+    asked, down = collections.Counter(), {"prefill local"}
+
+    def describe(ep: Endpoint) -> dict:
+        asked[ep.label] += 1
+        if ep.label in down:
+            raise RuntimeError("down")
+        return _good(ep)
+    eps = Endpoints([Endpoint("prefill", "local", None), Endpoint("prefill", "p:1", None)], [],
+                    RoutingConfig(health_interval_s=60, unhealthy_after=1, healthy_after=1), describe)
+    local, remote = eps.prefill
+    assert eps.check(remote) and not eps.check(local)
+    local.identity = {"role": "prefill", "agent": "a", "nixl_port": 2}   # it had answered before
+    down.clear()
+    health = HealthChecker(eps)
+    try:
+        health.check_local("prefill")   # the remote one is in: no check_out, but this one is due
+        assert local.healthy and asked["prefill local"] == 2
+        down.add(local.label)
+        assert not eps.check(local)      # a failed request's check
+        health.check_local("prefill")   # within the interval of the last one it began: not asked
+        assert not local.healthy and asked["prefill local"] == 3
+    finally:
+        health.stop()
+
 class _Response:
     def __init__(self, error: str | None = None, text: bytes = b""):
         self.message, self.text = error, text

@@ -24,6 +24,7 @@ import itertools
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -128,6 +129,7 @@ class Endpoint:
     identity: dict | None = None   # what its model said it is (its last good check)
     load: int = 0             # requests (prefill) or their max_tokens (decode) in flight here
     requests: int = 0         # requests sent here, retries included
+    asked_at: float = float("-inf")   # time.monotonic() of the last check begun (`due`)
     memory: PrefixMemory = field(default_factory=PrefixMemory)
 
     @property
@@ -168,6 +170,16 @@ class Endpoints:
             return False
         self._record(ep, True, "", identity)
         return True
+
+    def due(self, ep: Endpoint) -> bool:
+        """Whether the endpoint's next check is due (health_interval_s since the last one began);
+        True claims it, so that of several threads asking at once one checks."""
+        with self.lock:
+            now = time.monotonic()
+            if now - ep.asked_at < self.cfg.health_interval_s:
+                return False
+            ep.asked_at = now
+            return True
 
     def _record(self, ep: Endpoint, ok: bool, detail: str, identity: dict | None = None) -> None:
         with self.lock:

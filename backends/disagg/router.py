@@ -413,6 +413,7 @@ class RouterModel(StreamingModel):
     def _pair(self, chain: list[bytes], avoid: tuple[Endpoint, ...]) -> tuple[Endpoint, Endpoint] | str:
         chosen = []
         for kind in ("decode", "prefill"):
+            self.health.check_local(kind)
             ep = self.endpoints.choose(kind, chain, avoid)
             if ep is None:
                 self.health.check_out(kind)  # never answered yet (the server is starting), or local and out
@@ -522,8 +523,8 @@ class RouterModel(StreamingModel):
 
 class HealthChecker:
     """Checks every remote endpoint every health_interval_s, in a thread of its own. A model in
-    this server (`local`) is checked on the request path only (`check_out`, and after a failed
-    request), where the server waits for the check before it unloads anything. Sent from this
+    this server (`local`) is checked on the request path only (`check_local`, `check_out`, and
+    after a failed request), where the server waits for the check before it unloads anything. Sent from this
     thread, a check that went out as the server began to stop was never answered, and
     tritonserver 2.51 crashed unloading the router with it pending (Signal 11 in
     libtriton_python.so); asking the server whether the model is ready instead crashed the stub
@@ -546,10 +547,17 @@ class HealthChecker:
             if self.stopped.wait(self.endpoints.cfg.health_interval_s):
                 return
 
+    def check_local(self, kind: str) -> None:
+        """On the request path: a local endpoint out of the rotation is asked again once every
+        health_interval_s, as this thread asks a remote one."""
+        for ep in getattr(self.endpoints, kind):
+            if ep.address == "local" and ep.identity is not None and not ep.healthy and self.endpoints.due(ep):
+                self.endpoints.check(ep)
+
     def check_out(self, kind: str) -> None:
         """On the request path, when no endpoint of a kind is in the rotation: those that never
         answered, and the local ones out of it, are asked who they are (a local one as many
-        times in a row as returning takes: nothing else checks it)."""
+        times in a row as returning takes, at once)."""
         for ep in getattr(self.endpoints, kind):
             if ep.identity is None:
                 self.endpoints.check(ep)
