@@ -524,12 +524,12 @@ class RouterModel(StreamingModel):
 class HealthChecker:
     """Checks every remote endpoint every health_interval_s, in a thread of its own. A model in
     this server (`local`) is checked on the request path only (`check_local`, `check_out`, and
-    after a failed request), where the server waits for the check before it unloads anything. Sent from this
-    thread, a check that went out as the server began to stop was never answered, and
-    tritonserver 2.51 crashed unloading the router with it pending (Signal 11 in
-    libtriton_python.so); asking the server whether the model is ready instead crashed the stub
-    (docs/shutdown.md). While the server was loading the other models, such a check crashed it
-    too."""
+    after a failed request), where the server waits for the check before it unloads anything.
+    Sent from this thread, a check that went out as the server began to stop was never
+    answered, and tritonserver 2.51 crashed unloading the router with it pending (Signal 11 in
+    libtriton_python.so); asking the server whether the model is ready instead crashed the
+    stub (docs/shutdown.md). While the server was loading the other models, such a check
+    crashed it too."""
 
     def __init__(self, endpoints: Endpoints):
         self.endpoints = endpoints
