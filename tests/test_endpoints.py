@@ -3,6 +3,7 @@ router's health thread and local `describe` over a stand-in for the stub's BLS).
 import collections
 import time
 
+import numpy as np
 import pytest
 
 from backends.disagg.endpoints import (PIECE_CHARS, Endpoint, Endpoints, PrefixMemory, RoutingConfig,
@@ -122,15 +123,22 @@ def test_routing_config_refuses_bad_values_naming_them():
         RoutingConfig(cache_threshold=1.5)
 
 
-def test_the_health_thread_asks_remote_endpoints_only_and_the_request_path_brings_local_ones_back():
-    from backends.disagg.router import HealthChecker
-    asked, down = collections.Counter(), set()
+def _asking(down: set[str]):
+    """A describe that counts the checks by endpoint label and fails for the labels in `down`."""
+    asked = collections.Counter()
 
     def describe(ep: Endpoint) -> dict:
         asked[ep.label] += 1
         if ep.label in down:
             raise RuntimeError("down")
         return _good(ep)
+    return asked, describe
+
+
+def test_the_health_thread_asks_remote_endpoints_only_and_the_request_path_brings_local_ones_back():
+    from backends.disagg.router import HealthChecker
+    down = set()
+    asked, describe = _asking(down)
 
     def wait_remote_checks(count: int) -> None:
         target, deadline = asked["prefill p:1"] + count, time.monotonic() + 10
@@ -159,16 +167,10 @@ def test_the_health_thread_asks_remote_endpoints_only_and_the_request_path_bring
     assert not health.thread.is_alive()
 
 
-
 def test_a_local_endpoint_out_of_the_rotation_is_asked_again_once_an_interval_on_the_request_path():
     from backends.disagg.router import HealthChecker
-    asked, down = collections.Counter(), {"prefill local"}
-
-    def describe(ep: Endpoint) -> dict:
-        asked[ep.label] += 1
-        if ep.label in down:
-            raise RuntimeError("down")
-        return _good(ep)
+    down = {"prefill local"}
+    asked, describe = _asking(down)
     eps = Endpoints([Endpoint("prefill", "local", None), Endpoint("prefill", "p:1", None)], [],
                     RoutingConfig(health_interval_s=60, unhealthy_after=1, healthy_after=1), describe)
     local, remote = eps.prefill
@@ -186,6 +188,7 @@ def test_a_local_endpoint_out_of_the_rotation_is_asked_again_once_an_interval_on
     finally:
         health.stop()
 
+
 class _Response:
     def __init__(self, error: str | None = None, text: bytes = b""):
         self.message, self.text = error, text
@@ -197,7 +200,6 @@ class _Response:
         return type("Error", (), {"message": lambda _: self.message})()
 
     def output_tensors(self) -> list:
-        import numpy as np
         array = np.array([self.text], dtype=np.object_)
         return [type("Tensor", (), {"name": lambda _: "text_output", "as_numpy": lambda _: array})()]
 

@@ -6,8 +6,8 @@ remote tritonserver's gRPC address). Its health comes from a `describe` request 
 answers its role, and a prefill engine its NIXL agent): every health_interval_s for a remote
 one, on the request path for a local one, and at once when a request on it fails: after
 `unhealthy_after` failed checks in a row it leaves the rotation, after `healthy_after` good
-ones it returns. Load is what the router has in
-flight there: requests on a prefill endpoint, tokens still to come on a decode endpoint.
+ones it returns. Load is what the router has in flight there: requests on a prefill
+endpoint, tokens still to come on a decode endpoint.
 
 cache_aware (SGLang's router's idea, on text rather than tokens: the router does not
 tokenize): each prefill endpoint remembers the prompt prefixes sent to it, as a hash chain
