@@ -15,7 +15,7 @@ import itertools
 import numpy as np
 import torch
 
-from kernels.linear import PackedWeight, PanelLinear
+from kernels.linear import Bf16PanelLinear, PackedWeight, PanelLinear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 LANES = 16  # outputs per bf16 panel; csrc/greedy_head.c's LANES
@@ -106,6 +106,100 @@ class GreedyHead:
         return self(torch.ones(1, self.k)) is not None
 
 
+SCREEN_SIGNATURES = {
+    # x, ldx, screen logits, norms, M, N, K, int16 rows, weights, layout, banned, offsets, tokens, candidates
+    "screen_head_pick": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr),
+    # x, ldx, weights, layout, M, K, ids, n ids, out
+    "screen_head_logits": (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr)}
+ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16 = range(4)  # csrc/screen_head.c's layouts
+
+
+class ScreenedHead:
+    """The greedy head where the panel GEMM runs panel_gemm_avx2.h's forms (AVX2 CPUs, and AVX-512
+    ones without its BF16), for an fp32 or a bf16 lm_head: the panel GEMM computes a screen of
+    every logit from a copy of the head in half its bytes (bf16 of an fp32 head, int8 groups of a
+    bf16 one), and csrc/screen_head.c computes again, exactly as the full head would, only the
+    tokens the screen's proven bound cannot rule out (1-4 a row on the default model). The token
+    is argmax of the full head's logits, first index on ties. An fp32 head's screen runs up to
+    MAX_ROWS_F32 rows: past them the bf16 GEMM is compute, as slow as the fp32 one; the int8
+    GEMM, a bf16 head's screen, is faster than the bf16 one at every row count (docs/cpu.md)."""
+
+    MAX_ROWS_F32 = 16
+
+    def __init__(self, linear, weight: torch.Tensor, packed: PackedWeight, tied: bool = False):
+        from kernels import cbuild
+        from kernels.linear import Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_int8_groups
+
+        lib = cbuild.load("screen_head", SCREEN_SIGNATURES)
+        self._pick, self._logits = lib.screen_head_pick, lib.screen_head_logits
+        self.linear, self.packed = linear, packed
+        bf16 = isinstance(linear, Bf16PanelLinear)
+        exact = weight.float().bfloat16().float() if bf16 else weight.float()
+        n, k = exact.shape
+        if bf16:  # the screen: int8 groups of the bf16 values, as weights int8 makes them
+            (q, scale), self.screen_linear = int8_groups(exact), Int8PanelLinear()
+            self.screen = pack_int8_groups(q, scale, k)
+            screen = q.view(n, scale.shape[1], -1).mul_(scale.float()[:, :, None]).view(n, -1)[:, :k]
+        else:
+            self.screen_linear, screen = Bf16PanelLinear(), exact.bfloat16().float()
+            self.screen = self.screen_linear.prepare(screen)
+        self.int16_rows = int(bf16)  # the int8 GEMM reads the rows as int16 groups
+        # [2, N]: fp32 norms err by under K 2^-25 relative (1.7e-5 at K 576): rounded up past that
+        self.norms = torch.stack([(exact - screen).norm(dim=1), exact.norm(dim=1)]).mul_(1 + 2 ** -12).contiguous()
+        self.max_rows = None if bf16 else self.MAX_ROWS_F32
+        if tied and weight.dtype == torch.float32 and weight.is_contiguous():
+            self.weights, self.layout = weight, ROWS_AS_BF16 if bf16 else ROWS_F32
+        else:
+            self.weights, self.layout = packed.panels, PANELS_BF16 if bf16 else PANELS_F32
+        self.n, self.k = n, k
+        self.candidates = 0  # exact logits computed so far (over all rows)
+
+    def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
+        """Greedy token of each row of hidden [M, K] fp32, row m never one of banned[m]; None where
+        the full logits must decide (more than max_rows rows, a row that is not finite, all of it
+        barred, or too many candidates)."""
+        m = hidden.shape[0]
+        if self.max_rows is not None and m > self.max_rows:
+            return None
+        hidden = hidden.float().contiguous()
+        banned = banned or [[]] * m
+        flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [np.zeros(1, np.int64)])
+        offsets = np.fromiter(itertools.accumulate((len(ids) for ids in banned), initial=0), np.int64, m + 1)
+        scores = self.screen_linear(hidden, self.screen)
+        tokens = np.empty(m, dtype=np.int64)
+        count = ctypes.c_int64(0)
+        rc = self._pick(hidden.data_ptr(), hidden.stride(0), scores.data_ptr(), self.norms.data_ptr(), m, self.n,
+                        self.k, self.int16_rows, self.weights.data_ptr(), self.layout, flat.ctypes.data,
+                        offsets.ctypes.data, tokens.ctypes.data, ctypes.byref(count))
+        self.candidates += count.value
+        return tokens.tolist() if rc == 0 else None
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """[M, len(ids)] fp32: each row's logits at ids, bit for bit those of the full head."""
+        hidden = hidden.float().contiguous()
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.n:
+            raise ValueError(f"expected ids in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")
+        out = torch.empty(hidden.shape[0], ids.numel(), dtype=torch.float32)
+        self._logits(hidden.data_ptr(), hidden.stride(0), self.weights.data_ptr(), self.layout, hidden.shape[0],
+                     self.k, ids.data_ptr(), ids.numel(), out.data_ptr())
+        return out
+
+    def matches_full_head(self) -> bool:
+        """Whether this CPU's full head computes each logit as the exact chain here does (the
+        AVX-512 BF16 forms round the rows to bf16 and sum pairs: not this chain), bit for bit, on
+        random rows at every id of a panel's edge and a spread of others; and picks its argmax."""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, self.k, generator=g) * torch.tensor([[1.0], [30.0], [1e-3]])
+        full = self.linear(x, self.packed)
+        ids = torch.unique(torch.cat([torch.arange(min(self.n, 50)), torch.randint(self.n, (64,), generator=g),
+                                      torch.tensor([self.n - 1])]))
+        if not torch.equal(self.logits_at(x, ids).view(torch.int32), full[:, ids].view(torch.int32)):
+            return False
+        tokens = self(x[:2])  # None (too many candidates, a head of near-equal rows): the full logits decide
+        return tokens is None or tokens == full[:2].argmax(-1).tolist()
+
+
 def ban(logits: torch.Tensor, banned: list[list[int]] | None) -> None:
     """-inf at each row's banned ids, in one scatter whose indices go to the device without
     waiting for it (on a GPU an assignment a row made a copy that waited for the stream)."""
@@ -160,14 +254,21 @@ class DeviceGreedyHead:
         return None
 
 
-def pick_greedy_head(linear, weight: torch.Tensor, packed, tied: bool = False) -> GreedyHead | DeviceGreedyHead | None:
-    """On a GPU the device head; on a CPU the screened head where the lm_head is the panel
-    GEMM's and the CPU has AVX-512 BF16. tied: `weight` is the model's embeddings (GreedyHead)."""
+def pick_greedy_head(linear, weight: torch.Tensor, packed,
+                     tied: bool = False) -> GreedyHead | ScreenedHead | DeviceGreedyHead | None:
+    """On a GPU the device head; on a CPU with AVX-512 BF16 GreedyHead for an fp32 panel GEMM head;
+    else ScreenedHead for an fp32 or bf16 panel GEMM head where its exact logits are the full
+    head's (checked here). tied: `weight` is the model's embeddings."""
     from kernels import cbuild
 
     if weight.is_cuda:
         return DeviceGreedyHead(linear, packed)
-    if not isinstance(linear, PanelLinear) or not cbuild.available("greedy_head", SIGNATURES):
-        return None
-    head = GreedyHead(weight, packed, tied=tied)
-    return head if head.runs_here() else None
+    if type(linear) is PanelLinear and cbuild.available("greedy_head", SIGNATURES):
+        head = GreedyHead(weight, packed, tied=tied)
+        if head.runs_here():
+            return head
+    if type(linear) in (PanelLinear, Bf16PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
+        head = ScreenedHead(linear, weight, packed, tied=tied)
+        if head.matches_full_head():
+            return head
+    return None

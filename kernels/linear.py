@@ -186,8 +186,12 @@ def pack_int8(weight: torch.Tensor) -> PackedWeight:
     """int8_groups' q in pack_bf16's layout, then its fp16 scales [panels, groups, PANEL] (zero
     past `out`), in one byte buffer (panel_gemm_i8). One scale a group of 32 weights adds half
     a bit a weight, as Q8_0's: fp32 scales were 5.6 % more of a decode step's bytes."""
-    n, k = weight.shape
-    q, scale = int8_groups(weight)
+    return pack_int8_groups(*int8_groups(weight), weight.shape[1])
+
+
+def pack_int8_groups(q: torch.Tensor, scale: torch.Tensor, k: int) -> PackedWeight:
+    """pack_int8 from int8_groups' output for a weight of k columns."""
+    n = q.shape[0]
     panels = pack_bf16(q[:, :-(-k // 2) * 2]).panels.to(torch.int8)  # integers of 7 bits: exact through bf16
     scales = torch.zeros(panels.shape[0] * PANEL, scale.shape[1], dtype=torch.float16)
     scales[:n] = scale

@@ -20,6 +20,7 @@ from client import gpu_check
 from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
 from kernels import cbuild
 from kernels.decoder import CpuDecoder
+from kernels.greedy_head import ScreenedHead
 from kernels.linear import (INT8_GROUP, SIGNATURES, Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_bf16,
                             pack_int8, panel_amx_min_rows)
 from tests.checkpoints import configs
@@ -242,7 +243,9 @@ def test_dtype_bfloat16_on_cpu_gets_bf16_weights_fp32_activations_and_the_fused_
     assert model.dtype == torch.float32 and eng.runner.kv.dtype == torch.bfloat16  # kv_cache_dtype auto
     assert model.layers[0].qkv.panels.dtype == torch.bfloat16 and model.lm_head.panels.dtype == torch.bfloat16
     assert isinstance(model.decoder, CpuDecoder) and model.decoder.weights_kind == 1
-    assert model.greedy_head is None  # the bf16 head is itself half the fp32 stream: full logits, argmax
+    # The screened head where the bf16 GEMM is the AVX2 form (an FMA chain the exact logits repeat);
+    # vdpbf16ps rounds the rows to bf16: full logits and argmax there.
+    assert model.greedy_head is None if ROWS_BF16 else isinstance(model.greedy_head, ScreenedHead)
 
 
 @needs_bf16

@@ -1,0 +1,204 @@
+/* The greedy token of each row of x [M, K] from a screen of the lm_head, on CPUs whose panel GEMM
+ * runs panel_gemm_avx2.h's forms (AVX2, or AVX-512 without its BF16): exactly argmax of the
+ * logits the full head gives, first index on ties, for half of the head's weight stream.
+ *
+ * kernels/greedy_head.py's ScreenedHead computes the screen s = x @ W'.T with the panel GEMM on a
+ * copy W' of the head in half its bytes (int8 groups of a bf16 head, bf16 of an fp32 one); this
+ * file bounds each screen logit's distance to the exact one and computes again, exactly, only the
+ * tokens whose interval reaches the best lower bound. "Exactly" is one fused multiply-add chain
+ * over k in order, fp32 rows times the head's own weights: how panel_gemm_avx2.h computes an fp32
+ * column, and a bf16 one (a k pair's even then odd product into the same chain), so the exact
+ * values are bit for bit the full head's (the Python side checks that at load).
+ *
+ * The bound, per logit j, with E_j = ||W_j - W'_j||, N_j = ||W_j||, u = 2^-24:
+ *   exact real value - screen real value = x . (W_j - W'_j) + (x - x') . W'_j
+ * where x' is x as the screen GEMM reads it (int8 screens take x as int16 per 32 k, a step of
+ * xs = max|x| / 32767 of the group, so |x_k - x'_k| <= 0.51 xs; a bf16 screen reads x itself),
+ * so by Cauchy-Schwarz it is at most ||x|| E_j + ||x - x'|| (N_j + E_j). The fp32 chains add at
+ * most 1.01 K u sum |x||W| (the exact one) and 1.01 (K + G + 2) u sum |x'||W'| (the screen's: K
+ * terms for bf16; G groups, a product and a conversion for int8), both within
+ * c (||x|| + ||x - x'||)(N_j + E_j), c = 1.01 (2K + G + 8) u. The bound is computed in fp32 from
+ * terms rounded up, inflated by 2^-18, plus 2^-20 |s_j| for the comparisons' own rounding.
+ * With lo/hi_j = s_j -/+ bound_j and LB = max_j lo_j, the exact argmax j* has hi_j* >= LB, and
+ * every j with hi_j < LB is below it: the candidates {j : hi_j >= LB} hold j* and its ties.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { PANEL = 48, GROUP = 32, MAX_CANDIDATES = 1024 };
+
+/* Where the exact weights are: the head's fp32 rows [N, K] (read as they are, or rounded to bf16
+ * as torch rounds them: a bf16 head made from those rows), or the panel GEMM's packing of the head
+ * ([N / 48][K][48] fp32, [N / 48][K2][48][2] bf16). */
+enum { ROWS_F32 = 0, ROWS_AS_BF16 = 1, PANELS_F32 = 2, PANELS_BF16 = 3 };
+
+static inline float bf16_round(float v)
+{
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7F800000u) != 0x7F800000u)  /* NaN and infinities stay */
+        b += 0x7FFFu + ((b >> 16) & 1u);
+    b &= 0xFFFF0000u;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+static inline float bf16_value(uint16_t h)
+{
+    const uint32_t b = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+static inline float weight_at(const void *w, int layout, int64_t n, int64_t k, int64_t k_dim)
+{
+    const int64_t panel = n / PANEL, col = n % PANEL;
+    switch (layout) {
+    case ROWS_F32: return ((const float *)w)[n * k_dim + k];
+    case ROWS_AS_BF16: return bf16_round(((const float *)w)[n * k_dim + k]);
+    case PANELS_F32: return ((const float *)w)[(panel * k_dim + k) * PANEL + col];
+    default: {
+        const int64_t k2_dim = (k_dim + 1) / 2;
+        return bf16_value(((const uint16_t *)w)[((panel * k2_dim + k / 2) * PANEL + col) * 2 + k % 2]);
+    }
+    }
+}
+
+/* x . W_n as the panel GEMM computes it: one FMA chain over k in order. */
+static float exact_logit(const float *x, const void *w, int layout, int64_t n, int64_t k_dim)
+{
+    float acc = 0.0f;
+    for (int64_t k = 0; k < k_dim; k++)
+        acc = fmaf(x[k], weight_at(w, layout, n, k, k_dim), acc);
+    return acc;
+}
+
+/* ||x - x'|| for the int16 rows of panel_gemm_avx2.h's rows_to_i16 (an upper bound). */
+static double int16_error(const float *x, int64_t k_dim)
+{
+    double sq = 0.0;
+    for (int64_t k0 = 0; k0 < k_dim; k0 += GROUP) {
+        const int64_t end = k_dim - k0 < GROUP ? k_dim : k0 + GROUP;
+        float top = 0.0f;
+        for (int64_t k = k0; k < end; k++)
+            top = fabsf(x[k]) > top ? fabsf(x[k]) : top;
+        const double step = 0.51 * top / 32767.0;
+        sq += (double)(end - k0) * step * step;
+    }
+    return sqrt(sq);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Row m's token: the screen's bounds turned into hi_j (kept in s) and the best lower bound, the
+ * candidates collected, then the winner among them. Returns the token, or -1 (no candidate: a
+ * row that is not finite, or every token barred), or -2 (more than MAX_CANDIDATES: the full
+ * logits are cheaper). */
+static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_dim, int64_t k_dim, int64_t groups,
+                        int int16_rows, const void *w, int layout, const int64_t *banned, int64_t nb,
+                        int64_t *count)
+{
+    double xsq = 0.0;
+    for (int64_t k = 0; k < k_dim; k++)
+        xsq += (double)x[k] * x[k];
+    const double xn = sqrt(xsq), dn = int16_rows ? int16_error(x, k_dim) : 0.0;
+    const double c = 1.01 * (2.0 * k_dim + groups + 8) * 0x1p-24, inflate = 1.0 + 0x1p-18;
+    /* bound_j = P E_j + Q N_j + 2^-20 |s_j| */
+    const float p = (float)((xn + dn + c * (xn + dn)) * inflate), q = (float)((dn + c * (xn + dn)) * inflate);
+    if (!isfinite(p) || !isfinite(q))
+        return -1;
+    for (int64_t i = 0; i < nb; i++)
+        if (banned[i] >= 0 && banned[i] < n_dim)
+            s[banned[i]] = -INFINITY;
+    const float *error = norms, *norm = norms + n_dim;
+    const __m256 vp = _mm256_set1_ps(p), vq = _mm256_set1_ps(q), tiny = _mm256_set1_ps(0x1p-20f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 lbv = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= n_dim; j += 8) {
+        const __m256 sv = _mm256_loadu_ps(s + j);
+        const __m256 bound = _mm256_fmadd_ps(_mm256_andnot_ps(sign, sv), tiny,
+                                             _mm256_fmadd_ps(vp, _mm256_loadu_ps(error + j),
+                                                             _mm256_mul_ps(vq, _mm256_loadu_ps(norm + j))));
+        lbv = _mm256_max_ps(_mm256_sub_ps(sv, bound), lbv);  /* a NaN lower bound keeps lbv */
+        _mm256_storeu_ps(s + j, _mm256_add_ps(sv, bound));
+    }
+    float lanes[8], lb = -INFINITY;
+    _mm256_storeu_ps(lanes, lbv);
+    for (int i = 0; i < 8; i++)
+        lb = lanes[i] > lb ? lanes[i] : lb;
+    for (; j < n_dim; j++) {
+        const float bound = fmaf(fabsf(s[j]), 0x1p-20f, fmaf(p, error[j], q * norm[j]));
+        lb = s[j] - bound > lb ? s[j] - bound : lb;
+        s[j] += bound;
+    }
+    int64_t hits[MAX_CANDIDATES], n_hits = 0;
+    const __m256 vlb = _mm256_set1_ps(lb);
+    for (j = 0; j < n_dim; j += 8) {
+        unsigned mask = 0;
+        if (j + 8 <= n_dim)
+            mask = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + j), vlb, _CMP_GE_OQ));
+        else
+            for (int64_t t = j; t < n_dim; t++)
+                mask |= (unsigned)(s[t] >= lb) << (t - j);
+        for (; mask; mask &= mask - 1) {
+            if (n_hits == MAX_CANDIDATES)
+                return -2;
+            hits[n_hits++] = j + __builtin_ctz(mask);
+        }
+    }
+    int64_t best = -1;
+    float best_val = 0.0f;
+    for (int64_t i = 0; i < n_hits; i++) {
+        const float v = exact_logit(x, w, layout, hits[i], k_dim);
+        if (best < 0 || v > best_val)
+            best = hits[i], best_val = v;
+    }
+    *count += n_hits;
+    return best;
+}
+#else
+static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_dim, int64_t k_dim, int64_t groups,
+                        int int16_rows, const void *w, int layout, const int64_t *banned, int64_t nb,
+                        int64_t *count)
+{
+    (void)x, (void)s, (void)norms, (void)n_dim, (void)k_dim, (void)groups, (void)int16_rows, (void)w, (void)layout;
+    (void)banned, (void)nb, (void)count;
+    return -1;
+}
+#endif
+
+/* x [M, K] (row stride ldx); s [M, N]: the screen logits (overwritten); norms [2][N]: every E_j,
+ * then every N_j (rounded up); int16_rows: the screen read x as int16 groups; w, layout: the
+ * exact weights; banned: row m's barred ids at banned[offsets[m] .. offsets[m + 1]); tokens [M];
+ * candidates: exact logits computed over all rows. Returns 0, or -2 when a row has no candidate
+ * or too many, or the library was built without AVX2 and FMA (the caller takes the full logits). */
+int screen_head_pick(const float *x, int64_t ldx, float *s, const float *norms, int64_t m_dim, int64_t n_dim,
+                     int64_t k_dim, int64_t int16_rows, const void *w, int64_t layout, const int64_t *banned,
+                     const int64_t *offsets, int64_t *tokens, int64_t *candidates)
+{
+    const int64_t groups = (k_dim + GROUP - 1) / GROUP;
+    int64_t count = 0;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic) reduction(+ : count) reduction(| : bad) if (m_dim > 1)
+    for (int64_t m = 0; m < m_dim; m++) {
+        tokens[m] = pick_row(x + m * ldx, s + m * n_dim, norms, n_dim, k_dim, groups, (int)int16_rows, w, (int)layout,
+                             banned + offsets[m], offsets[m + 1] - offsets[m], &count);
+        bad |= tokens[m] < 0;
+    }
+    *candidates = count;
+    return bad ? -2 : 0;
+}
+
+/* out[m, u] = x[m] . W[ids[u]] for each of n_ids ids, bit for bit the full head's logit. */
+int screen_head_logits(const float *x, int64_t ldx, const void *w, int64_t layout, int64_t m_dim, int64_t k_dim,
+                       const int64_t *ids, int64_t n_ids, float *out)
+{
+#pragma omp parallel for schedule(static) if (m_dim * n_ids * k_dim >= 65536)
+    for (int64_t i = 0; i < m_dim * n_ids; i++)
+        out[i] = exact_logit(x + (i / n_ids) * ldx, w, (int)layout, ids[i % n_ids], k_dim);
+    return 0;
+}
