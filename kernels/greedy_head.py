@@ -107,10 +107,11 @@ class GreedyHead:
 
 
 SCREEN_SIGNATURES = {
-    # x, ldx, screen logits, norms, M, N, K, int16 rows, weights, layout, banned, offsets, tokens, candidates
-    "screen_head_pick": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr),
+    # x, ldx, screen, kind, norms, M, N, K, weights, layout, banned, offsets, scores, rows' scratch, tokens, candidates
+    "screen_head": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
     # x, ldx, weights, layout, M, K, ids, n ids, out
-    "screen_head_logits": (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr)}
+    "screen_head_logits": (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr),
+    "screen_head_ready": ()}
 ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16 = range(4)  # csrc/screen_head.c's layouts
 
 
@@ -128,22 +129,21 @@ class ScreenedHead:
 
     def __init__(self, linear, weight: torch.Tensor, packed: PackedWeight, tied: bool = False):
         from kernels import cbuild
-        from kernels.linear import Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_int8_groups
+        from kernels.linear import Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_bf16, pack_int8_groups
 
         lib = cbuild.load("screen_head", SCREEN_SIGNATURES)
-        self._pick, self._logits = lib.screen_head_pick, lib.screen_head_logits
+        self._screen, self._logits, self._ready = lib.screen_head, lib.screen_head_logits, lib.screen_head_ready
         self.linear, self.packed = linear, packed
         bf16 = isinstance(linear, Bf16PanelLinear)
         exact = weight.float().bfloat16().float() if bf16 else weight.float()
         n, k = exact.shape
         if bf16:  # the screen: int8 groups of the bf16 values, as weights int8 makes them
-            (q, scale), self.screen_linear = int8_groups(exact), Int8PanelLinear()
-            self.screen = pack_int8_groups(q, scale, k)
+            q, scale = int8_groups(exact)
+            self.screen, self.kind = pack_int8_groups(q, scale, k), Int8PanelLinear.kind
             screen = q.view(n, scale.shape[1], -1).mul_(scale.float()[:, :, None]).view(n, -1)[:, :k]
         else:
-            self.screen_linear, screen = Bf16PanelLinear(), exact.bfloat16().float()
-            self.screen = self.screen_linear.prepare(screen)
-        self.int16_rows = int(bf16)  # the int8 GEMM reads the rows as int16 groups
+            screen = exact.bfloat16().float()
+            self.screen, self.kind = pack_bf16(screen), Bf16PanelLinear.kind
         # [2, N]: fp32 norms err by under K 2^-25 relative (1.7e-5 at K 576): rounded up past that
         self.norms = torch.stack([(exact - screen).norm(dim=1), exact.norm(dim=1)]).mul_(1 + 2 ** -12).contiguous()
         self.max_rows = None if bf16 else self.MAX_ROWS_F32
@@ -152,6 +152,7 @@ class ScreenedHead:
         else:
             self.weights, self.layout = packed.panels, PANELS_BF16 if bf16 else PANELS_F32
         self.n, self.k = n, k
+        self._scores = self._rows = None
         self.candidates = 0  # exact logits computed so far (over all rows)
 
     def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
@@ -161,18 +162,27 @@ class ScreenedHead:
         m = hidden.shape[0]
         if self.max_rows is not None and m > self.max_rows:
             return None
-        hidden = hidden.float().contiguous()
-        banned = banned or [[]] * m
-        flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [np.zeros(1, np.int64)])
-        offsets = np.fromiter(itertools.accumulate((len(ids) for ids in banned), initial=0), np.int64, m + 1)
-        scores = self.screen_linear(hidden, self.screen)
+        if hidden.dtype != torch.float32 or hidden.stride(-1) != 1:
+            hidden = hidden.float().contiguous()
+        flat, offsets = barred(banned, m)
+        scores, rows = self._scratch(m)
         tokens = np.empty(m, dtype=np.int64)
         count = ctypes.c_int64(0)
-        rc = self._pick(hidden.data_ptr(), hidden.stride(0), scores.data_ptr(), self.norms.data_ptr(), m, self.n,
-                        self.k, self.int16_rows, self.weights.data_ptr(), self.layout, flat.ctypes.data,
-                        offsets.ctypes.data, tokens.ctypes.data, ctypes.byref(count))
+        rc = self._screen(hidden.data_ptr(), hidden.stride(0), self.screen.panels.data_ptr(), self.kind,
+                          self.norms.data_ptr(), m, self.n, self.k, self.weights.data_ptr(), self.layout,
+                          flat.ctypes.data, offsets.ctypes.data, scores.data_ptr(), rows.data_ptr(),
+                          tokens.ctypes.data, ctypes.byref(count))
         self.candidates += count.value
         return tokens.tolist() if rc == 0 else None
+
+    def _scratch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The screen's logits [m, N] and its GEMM's row scratch, kept for the next step."""
+        from kernels.linear import scratch_words
+
+        if self._scores is None or self._scores.shape[0] < m:
+            self._scores = torch.empty(m, self.n, dtype=torch.float32)
+            self._rows = torch.empty(scratch_words(m, self.k), dtype=torch.int32)
+        return self._scores, self._rows
 
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """[M, len(ids)] fp32: each row's logits at ids, bit for bit those of the full head."""
@@ -185,10 +195,13 @@ class ScreenedHead:
                      self.k, ids.data_ptr(), ids.numel(), out.data_ptr())
         return out
 
-    def matches_full_head(self) -> bool:
-        """Whether this CPU's full head computes each logit as the exact chain here does (the
-        AVX-512 BF16 forms round the rows to bf16 and sum pairs: not this chain), bit for bit, on
-        random rows at every id of a panel's edge and a spread of others; and picks its argmax."""
+    def runs_here(self) -> bool:
+        """Whether the screen's GEMMs are the ones its bound is for (panel_gemm_avx2.h's) and this
+        CPU's full head computes each logit as the exact chain here does (the AVX-512 BF16 forms
+        round the rows to bf16 and sum pairs: not this chain), bit for bit, on random rows at every
+        id of a panel's edge and a spread of others; and the screen picks the full head's argmax."""
+        if not self._ready():
+            return False
         g = torch.Generator().manual_seed(0)
         x = torch.randn(3, self.k, generator=g) * torch.tensor([[1.0], [30.0], [1e-3]])
         full = self.linear(x, self.packed)
@@ -198,6 +211,15 @@ class ScreenedHead:
             return False
         tokens = self(x[:2])  # None (too many candidates, a head of near-equal rows): the full logits decide
         return tokens is None or tokens == full[:2].argmax(-1).tolist()
+
+
+def barred(banned: list[list[int]] | None, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each of m rows' barred ids in one array, row i's at [offsets[i], offsets[i + 1]) (and one
+    more element, so the array is never empty)."""
+    if not banned or not any(len(ids) for ids in banned):
+        return np.zeros(1, np.int64), np.zeros(m + 1, np.int64)
+    flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [np.zeros(1, np.int64)])
+    return flat, np.fromiter(itertools.accumulate((len(ids) for ids in banned), initial=0), np.int64, m + 1)
 
 
 def ban(logits: torch.Tensor, banned: list[list[int]] | None) -> None:
@@ -269,6 +291,6 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed,
             return head
     if type(linear) in (PanelLinear, Bf16PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
         head = ScreenedHead(linear, weight, packed, tied=tied)
-        if head.matches_full_head():
+        if head.runs_here():
             return head
     return None

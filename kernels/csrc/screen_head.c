@@ -26,7 +26,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { PANEL = 48, GROUP = 32, MAX_CANDIDATES = 1024 };
+#include "panel_gemm.c"
+
+enum { GROUP = 32, MAX_CANDIDATES = 1024 };  /* PANEL: panel_gemm.c's */
 
 /* Where the exact weights are: the head's fp32 rows [N, K] (read as they are, or rounded to bf16
  * as torch rounds them: a bf16 head made from those rows), or the panel GEMM's packing of the head
@@ -90,8 +92,12 @@ static double int16_error(const float *x, int64_t k_dim)
     return sqrt(sq);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* The bound above holds for the GEMMs of panel_gemm_avx2.h (fp32 rows under bf16 weights, int16
+ * groups under int8); the AVX-512 BF16 forms round the rows to bf16: no screen there. */
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))
 #include <immintrin.h>
+
+int screen_head_ready(void) { return 1; }
 
 /* Row m's token: the screen's bounds turned into hi_j (kept in s) and the best lower bound, the
  * candidates collected, then the winner among them. Returns the token, or -1 (no candidate: a
@@ -161,6 +167,8 @@ static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_
     return best;
 }
 #else
+int screen_head_ready(void) { return 0; }
+
 static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_dim, int64_t k_dim, int64_t groups,
                         int int16_rows, const void *w, int layout, const int64_t *banned, int64_t nb,
                         int64_t *count)
@@ -171,21 +179,26 @@ static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_
 }
 #endif
 
-/* x [M, K] (row stride ldx); s [M, N]: the screen logits (overwritten); norms [2][N]: every E_j,
- * then every N_j (rounded up); int16_rows: the screen read x as int16 groups; w, layout: the
- * exact weights; banned: row m's barred ids at banned[offsets[m] .. offsets[m + 1]); tokens [M];
- * candidates: exact logits computed over all rows. Returns 0, or -2 when a row has no candidate
- * or too many, or the library was built without AVX2 and FMA (the caller takes the full logits). */
-int screen_head_pick(const float *x, int64_t ldx, float *s, const float *norms, int64_t m_dim, int64_t n_dim,
-                     int64_t k_dim, int64_t int16_rows, const void *w, int64_t layout, const int64_t *banned,
-                     const int64_t *offsets, int64_t *tokens, int64_t *candidates)
+/* x [M, K] (row stride ldx); screen: the panel GEMM's packing of W' (kind 1 bf16, 2 int8); norms
+ * [2][N]: every E_j, then every N_j (rounded up); w, layout: the exact weights; banned: row m's
+ * barred ids at banned[offsets[m] .. offsets[m + 1]); s: scratch [M, N] (the screen logits); xb:
+ * the GEMM's row scratch (kernels.linear.scratch_words); tokens [M]; candidates: exact logits
+ * computed over all rows. Returns 0, or -2 when a row has no candidate or too many, or the library
+ * was built without AVX2 and FMA (the caller takes the full logits). */
+int screen_head(const float *x, int64_t ldx, const void *screen, int64_t kind, const float *norms, int64_t m_dim,
+                int64_t n_dim, int64_t k_dim, const void *w, int64_t layout, const int64_t *banned,
+                const int64_t *offsets, float *s, uint32_t *xb, int64_t *tokens, int64_t *candidates)
 {
+    const int rc = kind == 2 ? panel_gemm_i8(x, ldx, (const int8_t *)screen, m_dim, n_dim, k_dim, s, xb)
+                             : panel_gemm_bf16(x, ldx, (const uint16_t *)screen, m_dim, n_dim, k_dim, s, xb);
+    if (rc != 0)
+        return -2;
     const int64_t groups = (k_dim + GROUP - 1) / GROUP;
     int64_t count = 0;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic) reduction(+ : count) reduction(| : bad) if (m_dim > 1)
     for (int64_t m = 0; m < m_dim; m++) {
-        tokens[m] = pick_row(x + m * ldx, s + m * n_dim, norms, n_dim, k_dim, groups, (int)int16_rows, w, (int)layout,
+        tokens[m] = pick_row(x + m * ldx, s + m * n_dim, norms, n_dim, k_dim, groups, kind == 2, w, (int)layout,
                              banned + offsets[m], offsets[m + 1] - offsets[m], &count);
         bad |= tokens[m] < 0;
     }
