@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--merge", action="append", default=[], metavar="BENCH_JSON",
                     help="add the results of an earlier bench.json to the table and plots (repeatable)")
     ap.add_argument("--rounds", nargs="+", metavar="BENCH_JSON",
-                    help="only print the median and range of the llm / target ratios over these reports")
+                    help="only print the median and range over these reports of each Tandem target's (llm, llm-bf16, ...) ratios to the others")
     ap.add_argument("--no-token-check", dest="check_tokens", action="store_false",
                     help="skip the client-vs-server output token comparison")
     return ap

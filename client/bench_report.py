@@ -127,15 +127,22 @@ def _token_cell(r: dict) -> str:
     return f"equal ({t['server_total']})"
 
 
+def bases(rows: list[dict]) -> list[str]:
+    """Tandem's servers among the targets: `llm`, and `llm-<name>` (llm-bf16, llm-int8: the same
+    server in another dtype), in order; each is compared with every target that is not one."""
+    return [t for t in dict.fromkeys(r["target"] for r in rows) if t == "llm" or t.startswith("llm-")]
+
+
 def ratios(rows: list[dict], base: str = "llm") -> dict[str, dict[str, dict]]:
-    """Per other target and load: base's output tok/s and TTFT p50 over the other's
-    (how far `llm` is ahead of a peer, or behind the in-process `engine`)."""
+    """Per other target (not one of `bases`) and load: base's output tok/s and TTFT p50 over the
+    other's (how far `llm` is ahead of a peer, or behind the in-process `engine`)."""
     ok = [r for r in rows if not r.get("error")]
     ref = {(r["mode"], r["level"]): r for r in ok if r["target"] == base}
+    ours = set(bases(rows))
     out: dict[str, dict[str, dict]] = {}
     for r in ok:
         b = ref.get((r["mode"], r["level"]))
-        if b is None or r["target"] == base:
+        if b is None or r["target"] in ours:
             continue
         out.setdefault(r["target"], {})[_load(r)] = {
             "output_tok_s": b["output_tok_s"] / r["output_tok_s"],
@@ -150,18 +157,20 @@ def ratio_table(ratios: dict[str, dict[str, dict]], base: str = "llm") -> str:
          for target, by_load in ratios.items()})
 
 
-def rounds_table(paths: list[str], base: str = "llm") -> str:
+def rounds_table(paths: list[str]) -> str:
     """The median and range over several reports (one per round) of each ratio they printed."""
-    seen: dict[str, dict[str, list[float]]] = {}
+    seen: dict[str, dict[str, dict[str, list[float]]]] = {}  # base -> target -> load -> ratios
     for path in paths:
         with open(path) as f:
-            for target, by_load in ratios(json.load(f)["results"], base).items():
+            rows = json.load(f)["results"]
+        for base in bases(rows):
+            for target, by_load in ratios(rows, base).items():
                 for load, v in by_load.items():
-                    seen.setdefault(target, {}).setdefault(load, []).append(v["output_tok_s"])
-    return _per_target(
+                    seen.setdefault(base, {}).setdefault(target, {}).setdefault(load, []).append(v["output_tok_s"])
+    return "\n\n".join(_per_target(
         f"{base} / target, output tok/s over {len(paths)} rounds: median (min-max)",
         {target: [f"{load} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" for load, v in by_load.items()]
-         for target, by_load in seen.items()})
+         for target, by_load in by_target.items()}) for base, by_target in seen.items())
 
 
 def _per_target(header: str, cells: dict[str, list[str]]) -> str:
@@ -241,9 +250,10 @@ def write(report: dict, out_dir: str) -> int:
     """Table to stdout and table.txt, bench.json, plots; returns the exit code."""
     rows = report["results"]
     text = table(rows)
-    report["ratios"] = ratios(rows)
-    if report["ratios"]:
-        text += "\n\n" + ratio_table(report["ratios"])
+    report["ratios"] = {base: ratios(rows, base) for base in bases(rows)}
+    for base, by_target in report["ratios"].items():
+        if by_target:
+            text += "\n\n" + ratio_table(by_target, base)
     print(text)
     with open(os.path.join(out_dir, "table.txt"), "w") as f:
         f.write(text + "\n")

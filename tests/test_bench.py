@@ -61,7 +61,7 @@ def test_engine_in_process_beside_llm(llm_server, default_model, tmp_path):
     proc, report = run_bench(tmp_path, "--target", f"llm=grpc://{llm_server.grpc_url}",
                              "--merge", str(engine_dir / "bench.json"))
     llm = next(r for r in report["results"] if r["target"] == "llm")
-    ratio = report["ratios"]["engine"]["c=1"]
+    ratio = report["ratios"]["llm"]["engine"]["c=1"]
     assert ratio["output_tok_s"] == pytest.approx(llm["output_tok_s"] / engine["output_tok_s"])
     assert ratio["ttft_p50"] == pytest.approx(llm["ttft_ms"]["p50"] / engine["ttft_ms"]["p50"])
     assert "llm / target" in proc.stdout and "engine" in proc.stdout.split("llm / target")[1]
@@ -140,6 +140,24 @@ def test_rounds_median_of_ratios(tmp_path, capsys):
     assert main(["--rounds", *map(str, paths)]) == 0
     out = capsys.readouterr().out
     assert "over 3 rounds" in out and "vllm" in out and "c=8 1.30x (1.20-1.50)" in out
+
+
+def test_rounds_of_each_tandem_dtype_against_the_peers(tmp_path, capsys):
+    """llm-bf16 and llm-int8 (the same server in other dtypes) are each compared with every peer,
+    not with each other."""
+    from client.bench import main
+    row = lambda target, tok_s: {"target": target, "mode": "concurrency", "level": 1.0, "error": None,
+                                 "output_tok_s": tok_s, "ttft_ms": {"p50": 100.0}}
+    paths = []
+    for i, (bf16, int8) in enumerate([(60, 80), (66, 88)]):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps({"results": [row("llm-bf16", bf16), row("llamacpp-bf16", 50),
+                                                     row("llm-int8", int8), row("llamacpp-q8", 80)]}))
+    assert main(["--rounds", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    bf16, int8 = out.split("llm-int8 / target")
+    assert "llm-bf16 / target" in bf16 and "llamacpp-bf16  c=1 1.26x (1.20-1.32)" in bf16 and "llm-int8" not in bf16
+    assert "llamacpp-q8    c=1 1.05x (1.00-1.10)" in int8 and "llm-bf16" not in int8
 
 
 def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):

@@ -39,7 +39,9 @@ static inline float bf16_round(float v)
 {
     uint32_t b;
     memcpy(&b, &v, 4);
-    if ((b & 0x7F800000u) != 0x7F800000u)  /* NaN and infinities stay */
+    if (isnan(v))
+        b = 0x7FC00000u;  /* torch's NaN */
+    else if ((b & 0x7F800000u) != 0x7F800000u)  /* infinities stay */
         b += 0x7FFFu + ((b >> 16) & 1u);
     b &= 0xFFFF0000u;
     memcpy(&v, &b, 4);
