@@ -1,111 +1,159 @@
-"""kernels.greedy_head: the screened greedy head gives exactly argmax of the panel GEMM's fp32
-logits (first index on ties), barred tokens excluded, on shapes that exercise the padding
-(N not a multiple of 16 or 48, odd K) and the row tiles (1..33 rows), with the screen on
-vdpbf16ps and on the AMX tiles (where the CPU has them)."""
+"""kernels.greedy_head: each CPU greedy head gives exactly argmax of the full head's logits (first
+index on ties), barred tokens excluded, on shapes that exercise the padding (N not a multiple of
+16 or 48, odd K) and the row tiles (1..64 rows): GreedyHead (an fp32 head's bf16 screen, AVX-512
+BF16) on vdpbf16ps and on the AMX tiles, and ScreenedHead (AVX2: an fp32 head's bf16 screen, a
+bf16 head's int8 one), its exact logits read from the head's rows (tied) or its panels."""
 import pytest
 import torch
 
 from backends.config import cpu_flags
-from kernels.greedy_head import GreedyHead, pick_greedy_head
-from kernels.linear import PanelLinear, pick_linear
+from kernels.greedy_head import GreedyHead, ScreenedHead, pick_greedy_head
+from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear, pick_linear
 
 CPU_FLAGS = cpu_flags()
 HAS_BF16 = "avx512_bf16" in CPU_FLAGS
 HAS_AMX = "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
-pytestmark = pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with AVX-512 BF16")
+KINDS = ["vdpbf16ps", "amx", "screened-fp32", "screened-fp32-panels", "screened-bf16", "screened-bf16-panels"]
 
 
-@pytest.fixture(scope="module")
-def linear():
-    lin = pick_linear(torch.device("cpu"), torch.float32)
-    assert isinstance(lin, PanelLinear)  # an AVX-512 BF16 CPU has AVX-512: the panel GEMM
-    return lin
+class Kind:
+    """One greedy head under test: `make(weight)` builds it (skipping where this CPU cannot run
+    it), `linear` is its full head's GEMM."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name in ("vdpbf16ps", "amx"):
+            if not HAS_BF16 or (name == "amx" and not HAS_AMX):
+                pytest.skip(f"{name}: needs a CPU with AVX-512 BF16" + (" and AMX" if name == "amx" else ""))
+            self.linear = pick_linear(torch.device("cpu"), torch.float32)
+            assert isinstance(self.linear, PanelLinear)  # an AVX-512 BF16 CPU has AVX-512: the panel GEMM
+        else:
+            self.linear = pick_linear(torch.device("cpu"), torch.bfloat16 if "bf16" in name else torch.float32)
+            if type(self.linear) not in (PanelLinear, Bf16PanelLinear):
+                pytest.skip(f"{name}: no panel GEMM on this CPU")
+
+    def make(self, weight: torch.Tensor):
+        packed = self.linear.prepare(weight)
+        if self.name in ("vdpbf16ps", "amx"):
+            head = GreedyHead(weight, packed, amx=self.name == "amx")
+            assert head.runs_here()  # this CPU can run it: the tests must not pass by skipping it
+            return head
+        head = ScreenedHead(self.linear, weight, packed, tied=not self.name.endswith("panels"))
+        if not head.runs_here():
+            pytest.skip(f"{self.name}: not the FMA chain its exact logits repeat here (AVX-512 BF16)")
+        return head
 
 
-@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.skipif(not HAS_AMX, reason="no AMX"))],
-                ids=["vdpbf16ps", "amx"])
-def amx(request):
-    return request.param
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return Kind(request.param)
 
 
-def make_head(linear, weight, amx=None):
-    head = pick_greedy_head(linear, weight, linear.prepare(weight))
-    assert isinstance(head, GreedyHead)  # this CPU can run it: the tests must not pass by skipping it
-    return head if amx is None else GreedyHead(weight, head.packed, amx=amx)
-
-
-def test_amx_is_the_default_where_the_cpu_has_it(linear):
-    """The engine's head (pick_greedy_head) screens on the tiles on an AMX CPU: the path tested."""
-    assert make_head(linear, torch.randn(64, 32)).amx == HAS_AMX
-
-
-def reference(linear, head, x, banned=None):
-    logits = linear(x, head.packed)
+def reference(kind, head, x, banned=None):
+    logits = kind.linear(x, head.packed)
     for row, ids in enumerate(banned or []):
         logits[row, ids] = float("-inf")
     return logits.argmax(-1).tolist()
 
 
+@pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with AVX-512 BF16")
+def test_amx_is_the_default_where_the_cpu_has_it():
+    """The engine's head (pick_greedy_head) screens on the tiles on an AMX CPU: the path tested."""
+    linear, w = pick_linear(torch.device("cpu"), torch.float32), torch.randn(64, 32)
+    assert pick_greedy_head(linear, w, linear.prepare(w)).amx == HAS_AMX
+
+
 @pytest.mark.parametrize("n,k", [(1000, 150), (4099, 64), (48, 7), (1024, 40)])
-def test_matches_fp32_argmax(linear, amx, n, k):
+def test_matches_the_full_heads_argmax(kind, n, k):
     g = torch.Generator().manual_seed(n + k)
-    head = make_head(linear, torch.randn(n, k, generator=g), amx)
-    rows = [1, 2, 7, 8, 9, 16, 17, 33]
+    head = kind.make(torch.randn(n, k, generator=g))
+    rows = [1, 2, 7, 8, 9, 16, 17, 33, 64]
     for m in rows:
         x = torch.randn(m, k, generator=g) * 2
-        assert head(x) == reference(linear, head, x), m
+        assert head(x) == reference(kind, head, x), m
     # Every row was screened: a row the screen missed would still get its token right, from
     # all n logits recomputed (1.2-2 candidates a row is typical here).
-    assert head.candidates <= 4 * sum(rows)
+    assert 0 < head.candidates <= 8 * sum(rows)
 
 
-def test_ties_and_near_ties_are_decided_in_fp32(linear, amx):
-    """Rows equal to or within bf16's resolution of the winner: the screen cannot tell them
-    apart, the fp32 recompute must, and an exact tie goes to the first index."""
+def test_ties_and_near_ties_are_decided_exactly(kind):
+    """Rows equal to or within the screen's resolution of the winner: the screen cannot tell them
+    apart, the exact recompute must, and an exact tie goes to the first index."""
     g = torch.Generator().manual_seed(1)
     n, k = 777, 96
     w = torch.randn(n, k, generator=g)
     x = torch.randn(4, k, generator=g)
-    best = linear(x[:1], linear.prepare(w)).argmax().item()
+    best = kind.linear(x[:1], kind.linear.prepare(w)).argmax().item()
     w[3] = w[best]                                                  # an exact tie, earlier index
     w[500:540] = w[best] + 1e-4 * torch.randn(40, k, generator=g)   # 40 near ties
-    head = make_head(linear, w, amx)
+    head = kind.make(w)
     before = head.candidates
     got = head(x)
-    assert got == reference(linear, head, x)
+    assert got == reference(kind, head, x)
     assert got[0] in [3, *range(500, 540)]
-    assert head.candidates - before > 40  # the near ties went through the fp32 recompute
+    assert head.candidates - before > 40  # the near ties went through the exact recompute
 
 
-def test_all_negative_logits_and_padding(linear, amx):
+def test_all_negative_logits_and_padding(kind):
     """Padding outputs screen to 0: they must not set the bar when every real logit is < 0."""
     g = torch.Generator().manual_seed(2)
     w = -torch.rand(1001, 33, generator=g) - 0.1
-    head = make_head(linear, w, amx)
+    head = kind.make(w)
     x = torch.rand(5, 33, generator=g) + 0.1
-    assert max(linear(x, head.packed).max(-1).values.tolist()) < 0
-    assert head(x) == reference(linear, head, x)
+    assert max(kind.linear(x, head.packed).max(-1).values.tolist()) < 0
+    assert head(x) == reference(kind, head, x)
 
 
-def test_barred_tokens_are_never_chosen(linear, amx):
+def test_barred_tokens_are_never_chosen(kind):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(500, 40, generator=g)
-    head = make_head(linear, w, amx)
+    head = kind.make(w)
     x = torch.randn(3, 40, generator=g)
-    top = linear(x, head.packed).topk(3, dim=-1).indices.tolist()
+    top = kind.linear(x, head.packed).topk(3, dim=-1).indices.tolist()
     banned = [top[0][:1], top[1][:2], []]  # each barred row loses its best (and second) token
     got = head(x, banned)
-    assert got == reference(linear, head, x, banned)
+    assert got == reference(kind, head, x, banned)
     assert got[0] == top[0][1] and got[1] == top[1][2] and got[2] == top[2][0]
 
 
-def test_rows_it_cannot_answer_return_none(linear, amx):
-    head = make_head(linear, torch.randn(100, 16), amx)
+def test_rows_it_cannot_answer_return_none(kind):
+    head = kind.make(torch.randn(100, 16))
     assert head(torch.full((1, 16), float("nan"))) is None
     assert head(torch.randn(1, 16), [list(range(100))]) is None  # everything barred
 
 
-def test_sampler_uses_it_only_where_no_logits_are_needed(linear, monkeypatch):
+def test_logits_at_are_the_full_heads_bit_for_bit(kind):
+    g = torch.Generator().manual_seed(6)
+    head = kind.make(torch.randn(999, 77, generator=g))
+    x = torch.randn(3, 77, generator=g) * 5
+    ids = torch.tensor([0, 47, 48, 95, 500, 998, 47])
+    assert torch.equal(head.logits_at(x, ids), kind.linear(x, head.packed)[:, ids])
+    with pytest.raises(ValueError, match="expected ids in"):
+        head.logits_at(x, torch.tensor([999]))
+
+
+def test_screened_head_gives_way_past_1024_candidates():
+    """2000 equal rows: every one a candidate, more than the exact recompute takes; none computed."""
+    kind = Kind("screened-bf16")
+    g = torch.Generator().manual_seed(5)
+    twins = kind.make(torch.randn(1, 16, generator=g).expand(2000, 16).contiguous())
+    before = twins.candidates
+    assert twins(torch.randn(1, 16, generator=g)) is None
+    assert twins.candidates == before
+
+
+@pytest.mark.parametrize("name", ["screened-fp32", "screened-bf16"])
+def test_the_engine_picks_the_screened_head_for_fp32_and_bf16_heads_not_int8(name):
+    """Where it matches the full head (else make skips), unless GreedyHead (AVX-512 BF16) came first."""
+    kind, w = Kind(name), torch.randn(200, 32)
+    kind.make(w)
+    head = pick_greedy_head(kind.linear, w, kind.linear.prepare(w), tied=True)
+    assert isinstance(head, ScreenedHead) or isinstance(head, GreedyHead) and type(kind.linear) is PanelLinear
+    int8 = Int8PanelLinear()
+    assert pick_greedy_head(int8, w, int8.prepare(w), tied=True) is None  # no screen halves int8's bytes
+
+
+def test_sampler_uses_it_only_where_no_logits_are_needed(kind):
     """Greedy rows without logprobs take the head; sampled rows and logprob requests the logits;
     a mixed batch gives each row the token the full logits give."""
     from backends.request import Request, SamplingParams
@@ -115,12 +163,12 @@ def test_sampler_uses_it_only_where_no_logits_are_needed(linear, monkeypatch):
     w = torch.randn(300, 24, generator=g)
 
     class Model:
-        greedy_head = make_head(linear, w)
+        greedy_head = kind.make(w)
         calls = []
 
         def logits(self, h):
             self.calls.append(("logits", h.shape[0]))
-            return linear(h, self.greedy_head.packed)
+            return kind.linear(h, self.greedy_head.packed)
 
         def greedy(self, h, banned=None):
             self.calls.append(("greedy", h.shape[0]))
@@ -130,7 +178,7 @@ def test_sampler_uses_it_only_where_no_logits_are_needed(linear, monkeypatch):
     greedy = SamplingParams(max_tokens=8)
     sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
     reqs = [Request(f"r{i}", [1, 2], p, None, None) for i, p in enumerate([greedy, sampled, greedy])]
-    full = linear(x, model.greedy_head.packed)
+    full = kind.linear(x, model.greedy_head.packed)
     tokens, logprobs = sample(model, x, reqs, [[], [], []], with_logprobs=False)
     assert model.calls == [("greedy", 2), ("logits", 1)] and logprobs is None
     assert tokens[0] == full[0].argmax().item() and tokens[2] == full[2].argmax().item()
