@@ -46,6 +46,23 @@ def row_norms(weight: torch.Tensor) -> torch.Tensor:
     return norms
 
 
+def barred(banned: list[list[int]] | None, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each of m rows' barred ids in one array, row i's at [offsets[i], offsets[i + 1]) (and one
+    more element, so the array is never empty)."""
+    if not banned or not any(len(ids) for ids in banned):
+        return np.zeros(1, np.int64), np.zeros(m + 1, np.int64)
+    flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [np.zeros(1, np.int64)])
+    return flat, np.fromiter(itertools.accumulate((len(ids) for ids in banned), initial=0), np.int64, m + 1)
+
+
+def checked_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """ids as contiguous int64, each in [0, n), else a ValueError naming the range."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        raise ValueError(f"expected ids in [0, {n}), got {int(ids.min())}..{int(ids.max())}")
+    return ids
+
+
 class GreedyHead:
     def __init__(self, weight: torch.Tensor, packed: PackedWeight, amx: bool | None = None, tied: bool = False):
         """amx: screen on the AMX tiles (None: where the CPU and the OS allow it; True where they
@@ -73,15 +90,13 @@ class GreedyHead:
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
         m = hidden.shape[0]
-        banned = banned or [[]] * m
-        flat = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [[0]]))
-        offsets = torch.tensor([0, *itertools.accumulate(len(ids) for ids in banned)], dtype=torch.int64)
+        flat, offsets = barred(banned, m)
         scratch = torch.empty(m, self.norms.numel(), dtype=torch.float32)
         tokens = torch.empty(m, dtype=torch.int64)
         count = ctypes.c_int64(0)
         rows = self.rows.data_ptr() if self.rows is not None else None
         rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.bf16.data_ptr(), self.packed.panels.data_ptr(),
-                          rows, self.norms.data_ptr(), m, self.n, self.k, flat.data_ptr(), offsets.data_ptr(),
+                          rows, self.norms.data_ptr(), m, self.n, self.k, flat.ctypes.data, offsets.ctypes.data,
                           scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(count), int(self.amx))
         if rc != 0:
             return None
@@ -93,9 +108,7 @@ class GreedyHead:
         the full logits (the panel GEMM's), without the others."""
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
-        ids = ids.to(torch.int64).contiguous()
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.n:
-            raise ValueError(f"expected ids in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")
+        ids = checked_ids(ids, self.n)
         out = torch.empty(hidden.shape[0], ids.numel(), dtype=torch.float32)
         source = self.rows if self.rows is not None else self.packed.panels
         rc = self._logits(hidden.data_ptr(), hidden.stride(0), source.data_ptr(), int(self.rows is not None),
@@ -180,9 +193,7 @@ class ScreenedHead:
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """[M, len(ids)] fp32: each row's logits at ids, bit for bit those of the full head."""
         hidden = hidden.float().contiguous()
-        ids = ids.to(torch.int64).contiguous()
-        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.n:
-            raise ValueError(f"expected ids in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")
+        ids = checked_ids(ids, self.n)
         out = torch.empty(hidden.shape[0], ids.numel(), dtype=torch.float32)
         self._logits(hidden.data_ptr(), hidden.stride(0), self.weights.data_ptr(), self.layout, hidden.shape[0],
                      self.k, ids.data_ptr(), ids.numel(), out.data_ptr())
@@ -204,15 +215,6 @@ class ScreenedHead:
             return False
         tokens = self(x[:2])  # None (too many candidates, a head of near-equal rows): the full logits decide
         return tokens is None or tokens == full[:2].argmax(-1).tolist()
-
-
-def barred(banned: list[list[int]] | None, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each of m rows' barred ids in one array, row i's at [offsets[i], offsets[i + 1]) (and one
-    more element, so the array is never empty)."""
-    if not banned or not any(len(ids) for ids in banned):
-        return np.zeros(1, np.int64), np.zeros(m + 1, np.int64)
-    flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in banned] + [np.zeros(1, np.int64)])
-    return flat, np.fromiter(itertools.accumulate((len(ids) for ids in banned), initial=0), np.int64, m + 1)
 
 
 def ban(logits: torch.Tensor, banned: list[list[int]] | None) -> None:
