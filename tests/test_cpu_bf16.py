@@ -202,12 +202,14 @@ def test_int8_pack_holds_the_group_scales_after_the_panels():
     assert q[0, 16, 0].tolist() == [0, 127]
 
 
-@pytest.mark.parametrize("march, forms", [("skylake-avx512", True), ("cascadelake", True), ("icelake-server", True),
-                                         ("cooperlake", True), ("x86-64", False)])
-def test_avx512_without_its_bf16_builds_the_avx2_forms(march, forms, tmp_path):
+@pytest.mark.parametrize("march, forms, vnni", [("skylake-avx512", True, False), ("cascadelake", True, True),
+                                               ("icelake-server", True, True), ("cooperlake", True, True),
+                                               ("x86-64", False, False)])
+def test_avx512_without_its_bf16_builds_bf16_and_int8_forms(march, forms, vnni, tmp_path):
     """Built for AVX-512 without its BF16 (Skylake-SP to Ice Lake), panel_gemm.c has bf16 and int8
-    GEMMs (the AVX2 forms), not the stubs that return -1; built for SSE alone it has only those.
-    Compiled, not run: no such CPU here. A GEMM is one that opens an OpenMP team."""
+    GEMMs, not the stubs that return -1: with VNNI (Cascade Lake, Ice Lake) its 16-lane forms, int8
+    through vpdpwssd on zmm registers; without it (Skylake-SP) the AVX2 forms. Built for SSE alone
+    it has only the stubs. A GEMM is one that opens an OpenMP team."""
     cc = cbuild.compiler()
     if not shutil.which(cc) or not shutil.which("objdump"):
         pytest.skip("needs a C compiler and objdump")
@@ -223,6 +225,7 @@ def test_avx512_without_its_bf16_builds_the_avx2_forms(march, forms, tmp_path):
     for function in ("panel_gemm_bf16", "panel_gemm_i8"):
         body = code.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
         assert ("GOMP_parallel" in body) == forms, (march, function, body)
+    assert any("vpdpwssd" in line and "zmm" in line for line in code.splitlines()) == vnni, march
 
 
 def test_bf16_pack_layout():

@@ -121,6 +121,12 @@ static void panel_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim
     }
 }
 
+/* Sixteen fp16 scales as fp32. */
+static inline __m512 half16(const uint16_t *h)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 /* The same for bf16 or int8 weights: panels of 48 columns, each [K2][48][2] (K2 = ceil(K / 2), k
  * in pairs, the odd last k zero-padded), so a step of k2 is 16 columns x 2 k per vdpbf16ps
@@ -136,12 +142,6 @@ static inline __attribute__((always_inline)) __m512bh load_pairs(const char *w, 
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
     return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo));
-}
-
-/* Sixteen fp16 scales as fp32. */
-static inline __m512 half16(const uint16_t *h)
-{
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
 }
 
 /* The fp16 scales of group g's 48 columns, as load_pairs takes them: a part's columns 0-7 (lo) and
@@ -239,6 +239,9 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad
     }
 }
 
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* int8 panels off the tiles take the rows as int16 instead, with a scale per row and group of 32 k
  * (the largest |x| / 32767, round to nearest): vpdpwssd multiplies 16 columns x 2 k of int16 rows
  * and sign-extended weights into int32 in one instruction, where making bf16(q * s) of them took
@@ -334,6 +337,9 @@ static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const 
     }
 }
 
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
 
@@ -489,10 +495,114 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     const uint16_t *scale = (const uint16_t *)(w + panels * PANEL * 2 * k2_dim);
     return gemm_pairs(x, ldx, (const char *)w, scale, m_dim, n, k_dim, y, xb);
 }
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* AVX-512 with VNNI but not its BF16 (Cascade Lake, Ice Lake): int8 panels on the int16 rows above
+ * (vpdpwssd), and bf16 panels widened to fp32 in registers under fp32 rows, as panel_gemm_avx2.h
+ * does, 16 lanes at a time: a k pair of a column is one 32-bit word, the even k's bf16 its low
+ * half (the word shifted left 16), the odd k's its high half (the word masked), both exact fp32.
+ * Each output is the same fused multiply-add chain over k in order as the AVX2 forms', so both
+ * give the same bits (kernels.greedy_head's screen relies on that). */
+#include <omp.h>
+
+enum { ROWS_WIDE = 6 }; /* 18 accumulators, 6 weight vectors, 2 broadcasts of the 32 registers */
+
+/* Panels a thread takes at a time, as panel_gemm_avx2.h's panel_chunk: one or two rows, a thread's
+ * share in one contiguous run the hardware prefetcher follows; more rows, one panel at a time. A
+ * one-row step's int8 matmuls and lm_head on a 2-vCPU Cascade Lake took 8.3 ms against 9.3-9.5 one
+ * panel at a time, bf16 14.2 against 15.3-15.7 (docs/cpu.md). */
+static inline int64_t run_chunk(int64_t m_dim, int64_t panels)
+{
+    const int64_t threads = omp_get_max_threads();
+    return m_dim <= 2 ? (panels + threads - 1) / threads : 1;
+}
+
+static inline __attribute__((always_inline)) void tile_wide(const float *x, int64_t ldx, const uint16_t *w,
+                                                           int64_t n, int64_t k_dim, int64_t k0, int64_t k1,
+                                                           int64_t cols, int rows, int64_t ahead, float *y)
+{
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 acc[ROWS_WIDE][3];
+    __mmask16 mask[3];
+    start_tile(acc, mask, rows, cols, k0, y, n);
+    const uint16_t *wk = w + k0 * 2 * PANEL;
+    for (int64_t k = k0; k < k1; k++, wk += 2 * PANEL) {
+        for (int b = 0; b < 3; b++)
+            _mm_prefetch((const char *)(wk + ahead * 2 * PANEL + 32 * b), _MM_HINT_T0);
+        const int pair = 2 * k + 1 < k_dim;
+        __m512 even[3], odd[3];
+        for (int j = 0; j < 3; j++) {
+            const __m512i pairs = _mm512_loadu_si512(wk + 32 * j);
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+        }
+        for (int m = 0; m < rows; m++) {
+            const float *xm = x + m * ldx + 2 * k;
+            const __m512 xe = _mm512_set1_ps(xm[0]), xo = _mm512_set1_ps(pair ? xm[1] : 0.f);
+            for (int j = 0; j < 3; j++)
+                acc[m][j] = _mm512_fmadd_ps(xo, odd[j], _mm512_fmadd_ps(xe, even[j], acc[m][j]));
+        }
+    }
+    store_tile(acc, mask, rows, y, n);
+}
+
+/* One bf16 panel, all rows, as panel_f32. */
+static void panel_wide(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                       int64_t col, float *y)
+{
+    const int64_t cols = n - col < PANEL ? n - col : PANEL, k2_dim = (k_dim + 1) / 2;
+    const int64_t kblock = m_dim > ROWS_WIDE ? KBLOCK : k2_dim;
+    for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
+        const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
+        for (int64_t row = 0; row < m_dim; row += ROWS_WIDE) {
+            const int64_t ahead = row == 0 ? 8 : kblock; /* in k2 steps */
+            const float *xr = x + row * ldx;
+            float *yr = y + row * n + col;
+            switch (m_dim - row < ROWS_WIDE ? m_dim - row : ROWS_WIDE) {
+            case 1: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 1, ahead, yr); break;
+            case 2: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 2, ahead, yr); break;
+            case 3: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 3, ahead, yr); break;
+            case 4: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 4, ahead, yr); break;
+            case 5: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 5, ahead, yr); break;
+            default: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 6, ahead, yr); break;
+            }
+        }
+    }
+}
+
+/* xb: unused (the rows stay fp32). */
+int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                    float *y, uint32_t *xb)
+{
+    (void)xb;
+    const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
+#pragma omp parallel for schedule(dynamic, run_chunk(m_dim, panels))
+    for (int64_t p = 0; p < panels; p++)
+        panel_wide(x, ldx, w + p * PANEL * 2 * k2_dim, m_dim, n, k_dim, p * PANEL, y);
+    return 0;
+}
+
+/* xb: the int16 rows, M * K2 words, then their scales, M * groups. */
+int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y,
+                  uint32_t *xb)
+{
+    const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
+    const char *wc = (const char *)w;
+    const uint16_t *scale = (const uint16_t *)(wc + panels * PANEL * 2 * k2_dim);
+    float *xs = (float *)(xb + m_dim * k2_dim);
+#pragma omp parallel
+    {
+        rows_to_i16(x, ldx, m_dim, k_dim, xb, xs);
+#pragma omp for schedule(dynamic, run_chunk(m_dim, panels))
+        for (int64_t p = 0; p < panels; p++)
+            panel_i16(xb, xs, wc + p * PANEL * 2 * k2_dim, scale + p * groups * PANEL, m_dim, n, k2_dim, p * PANEL,
+                      y);
+    }
+    return 0;
+}
 #else
-/* AVX-512 without its BF16 (Skylake-SP, Cascade Lake, Ice Lake): bf16 and int8 weights take the
- * AVX2 forms, the same panels read 8 lanes at a time (the rows stay fp32 and int16, as on an AVX2
- * CPU). The header's names that this file's AVX-512 code also defines are renamed around it. */
+/* AVX-512 without VNNI or its BF16 (Skylake-SP): bf16 and int8 weights take the AVX2 forms, the
+ * same panels read 8 lanes at a time (the rows stay fp32 and int16, as on an AVX2 CPU). The
+ * header's names that this file's AVX-512 code also defines are renamed around it. */
 #define PANEL AVX2_PANEL
 #define ROWS AVX2_ROWS
 #define KBLOCK AVX2_KBLOCK
