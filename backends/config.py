@@ -278,17 +278,20 @@ def cpu_flags() -> set[str]:
 
 def cpu_has_bf16() -> bool:
     """Whether the bf16 and int8 panel GEMMs build here (kernels/csrc/panel_gemm.c): AVX-512 BF16,
-    else AVX2 and FMA (an AVX-512 CPU without its BF16 takes the AVX2 forms)."""
+    else AVX2 and FMA (an AVX-512 CPU without its BF16 takes 16-lane forms with VNNI, the AVX2 ones
+    without)."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or {"avx2", "fma"} <= flags
 
 
 def cpu_prefers_bf16() -> bool:
     """Whether `dtype auto` runs a bf16 checkpoint in bf16 here: where the bf16 form was measured
-    ahead of fp32 (AVX-512 BF16; AVX2 without AVX-512). On AVX-512 without its BF16 bf16 would take
-    the 8-lane AVX2 form against fp32's 16-lane AVX-512 one, not measured on such a CPU: fp32."""
+    ahead of fp32 (AVX-512 BF16; AVX-512 VNNI without its BF16, whose bf16 form is 16 lanes wide;
+    AVX2 without AVX-512). Skylake-SP (AVX-512 without VNNI) would take the 8-lane AVX2 form
+    against fp32's 16-lane one, not measured: fp32."""
     flags = cpu_flags()
-    return "avx512_bf16" in flags or ({"avx2", "fma"} <= flags and "avx512f" not in flags)
+    return "avx512_bf16" in flags or {"avx512f", "avx512bw", "avx512_vnni"} <= flags \
+        or ({"avx2", "fma"} <= flags and "avx512f" not in flags)
 
 
 def cpu_auto_dtype(model_path: str) -> str:

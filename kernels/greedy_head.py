@@ -131,8 +131,8 @@ ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16 = range(4)  # csrc/screen_head.c
 
 
 class ScreenedHead:
-    """The greedy head where the panel GEMM runs panel_gemm_avx2.h's forms (AVX2 CPUs, and AVX-512
-    ones without its BF16), for an fp32 or a bf16 lm_head: the panel GEMM computes a screen of
+    """The greedy head where the panel GEMM keeps the rows fp32 under bf16 weights and int16 under
+    int8 (AVX2 CPUs, and AVX-512 ones without its BF16), for an fp32 or a bf16 lm_head: the panel GEMM computes a screen of
     every logit from a copy of the head in half its bytes (bf16 of an fp32 head, int8 groups of a
     bf16 one), and csrc/screen_head.c computes again, exactly as the full head would, only the
     tokens the screen's proven bound cannot rule out (1-4 a row on the default model). The token
@@ -200,7 +200,7 @@ class ScreenedHead:
         return out
 
     def runs_here(self) -> bool:
-        """Whether the screen's GEMMs are the ones its bound is for (panel_gemm_avx2.h's) and this
+        """Whether the screen's GEMMs are the ones its bound is for (fp32 and int16 rows) and this
         CPU's full head computes each logit as the exact chain here does (the AVX-512 BF16 forms
         round the rows to bf16 and sum pairs: not this chain), bit for bit, on random rows at every
         id of a panel's edge and a spread of others; and the screen picks the full head's argmax."""

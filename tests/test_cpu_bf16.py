@@ -320,7 +320,8 @@ def test_dtype_auto_on_cpu_follows_the_checkpoint_where_the_cpu_has_bf16(tmp_pat
 
 @pytest.mark.parametrize("flags, builds, auto_bf16", [
     ({"avx2", "fma"}, True, True),  # AMD Zen 2 and 3
-    ({"avx2", "fma", "avx512f", "avx512bw"}, True, False),  # Skylake-SP to Ice Lake: the AVX2 forms
+    ({"avx2", "fma", "avx512f", "avx512bw"}, True, False),  # Skylake-SP: the AVX2 forms
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}, True, True),  # Cascade Lake, Ice Lake: 16 lanes
     ({"avx2", "fma", "avx512f", "avx512_bf16"}, True, True),  # Zen 4, Sapphire Rapids
     ({"sse4_2"}, False, False)])
 def test_which_cpus_run_bf16_and_which_prefer_it(flags, builds, auto_bf16, monkeypatch):

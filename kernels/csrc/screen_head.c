@@ -1,5 +1,7 @@
 /* The greedy token of each row of x [M, K] from a screen of the lm_head, on CPUs whose panel GEMM
- * runs panel_gemm_avx2.h's forms (AVX2, or AVX-512 without its BF16): exactly argmax of the
+ * keeps the rows fp32 under bf16 weights and int16 under int8 (panel_gemm_avx2.h's forms on AVX2
+ * and on Skylake-SP; their 16-lane twins in panel_gemm.c on AVX-512 VNNI without its BF16, the
+ * same chains): exactly argmax of the
  * logits the full head gives, first index on ties, for half of the head's weight stream.
  *
  * kernels/greedy_head.py's ScreenedHead computes the screen s = x @ W'.T with the panel GEMM on a
@@ -94,8 +96,9 @@ static double int16_error(const float *x, int64_t k_dim)
     return sqrt(sq);
 }
 
-/* The bound above holds for the GEMMs of panel_gemm_avx2.h (fp32 rows under bf16 weights, int16
- * groups under int8); the AVX-512 BF16 forms round the rows to bf16: no screen there. */
+/* The bound above holds for GEMMs that keep the rows fp32 under bf16 weights and int16 groups under
+ * int8 (panel_gemm_avx2.h's, and panel_gemm.c's for AVX-512 VNNI without its BF16); the AVX-512 BF16
+ * forms round the rows to bf16: no screen there. */
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))
 #include <immintrin.h>
 
