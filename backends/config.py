@@ -30,8 +30,8 @@ class EngineConfig:
         "doc": "auto (cuda if present, else cpu; TANDEM_DEVICE overrides auto), cpu, cuda or cuda:N"})
     dtype: str = field(default="auto", metadata={
         "doc": "auto (TANDEM_DTYPE overrides it): cuda bf16; cpu the checkpoint's own dtype where the CPU has "
-               "AVX-512 BF16, or AVX2 without AVX-512 (a bf16 or fp16 checkpoint runs in bf16, an fp32 one in fp32), "
-               "else fp32; float32, bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations "
+               "AVX-512 BF16, AVX-512 VNNI, or AVX2 without AVX-512 (a bf16 or fp16 checkpoint runs in bf16, an "
+               "fp32 one in fp32), else fp32; float32, bfloat16 or float16. On cpu bfloat16 means bf16 weights with fp32 activations "
                "(the KV: kv_cache_dtype)"})
     weights: str = field(default="auto", metadata={
         "doc": "auto (the dtype's; TANDEM_WEIGHTS overrides it) or int8: symmetric int8 weights with an fp16 scale "
