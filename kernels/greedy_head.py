@@ -132,12 +132,12 @@ ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16 = range(4)  # csrc/screen_head.c
 
 class ScreenedHead:
     """The greedy head where the panel GEMM keeps the rows fp32 under bf16 weights and int16 under
-    int8 (AVX2 CPUs, and AVX-512 ones without its BF16), for an fp32 or a bf16 lm_head: the panel GEMM computes a screen of
-    every logit from a copy of the head in half its bytes (bf16 of an fp32 head, int8 groups of a
-    bf16 one), and csrc/screen_head.c computes again, exactly as the full head would, only the
-    tokens the screen's proven bound cannot rule out (1-4 a row on the default model). The token
-    is argmax of the full head's logits, first index on ties. At 1-64 rows the screened head
-    measured 1.1-1.9x faster than full logits and argmax (docs/cpu.md)."""
+    int8 (AVX2 CPUs, and AVX-512 ones without its BF16), for an fp32 or a bf16 lm_head: the panel
+    GEMM computes a screen of every logit from a copy of the head in half its bytes (bf16 of an
+    fp32 head, int8 groups of a bf16 one), and csrc/screen_head.c computes again, exactly as the
+    full head would, only the tokens the screen's proven bound cannot rule out (1-4 a row on the
+    default model). The token is argmax of the full head's logits, first index on ties. At 1-64
+    rows the screened head measured 1.1-1.9x faster than full logits and argmax (docs/cpu.md)."""
 
     def __init__(self, linear, weight: torch.Tensor, packed: PackedWeight, tied: bool = False):
         from kernels import cbuild

@@ -6,10 +6,10 @@ csrc/panel_gemm.c (its header has the why and the numbers; csrc/panel_gemm_avx2.
 form); elsewhere on a CPU it is oneDNN's inner product, and F.linear on a GPU. All of them are
 full fp32: error against fp64 ~1e-6 relative. bf16 weights on a CPU with AVX-512 BF16 (or AVX2:
 an AVX-512 CPU without its BF16 takes 16-lane forms with VNNI, the AVX2 ones without), and int8
-weights (weights int8), are the
-same panel GEMM's bf16 and int8 forms under fp32 rows; from 8 rows the bf16 form runs on AMX
-tiles where the CPU has them (docs/cpu.md: what was measured against oneDNN's bf16 inner
-product, prepacked or not, and torch's int8 weight-only matmul, row count by row count).
+weights (weights int8), are the same panel GEMM's bf16 and int8 forms under fp32 rows; from 8
+rows the bf16 form runs on AMX tiles where the CPU has them (docs/cpu.md: what was measured
+against oneDNN's bf16 inner product, prepacked or not, and torch's int8 weight-only matmul, row
+count by row count).
 """
 from __future__ import annotations
 

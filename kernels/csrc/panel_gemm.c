@@ -18,8 +18,22 @@
  * x has row stride ldx (floats); w is the packed weight; y is [M, N] contiguous.
  * A CPU with AVX2 and no AVX-512 runs the same packed panels through panel_gemm_avx2.h.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Panels a thread takes at a time in the forms that read a panel in 8-lane steps or widen it (the
+ * AVX2 header's, and the bf16 and int8 forms of AVX-512 without its BF16). One or two rows: a
+ * thread's share in one contiguous run, which the hardware prefetcher follows across panels (one
+ * panel at a time, the two threads' panels interleaved, a 1-row step's int8 matmuls took 5.5 ms
+ * against 4.8 on a 2-vCPU Zen 3, medians of six alternated runs; its int8 matmuls and lm_head
+ * 9.3-9.5 against 8.3 on a 2-vCPU Cascade Lake, bf16 15.3-15.7 against 14.2; docs/cpu.md). More
+ * rows: one panel at a time, their tiles are compute. */
+static inline int64_t run_chunk(int64_t m_dim, int64_t panels)
+{
+    const int64_t threads = omp_get_max_threads();
+    return m_dim <= 2 ? (panels + threads - 1) / threads : 1;
+}
 
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
 /* Built without AMX tiles (or without the AVX-512 BF16 GEMM they serve): never tiles. */
@@ -502,19 +516,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
  * half (the word shifted left 16), the odd k's its high half (the word masked), both exact fp32.
  * Each output is the same fused multiply-add chain over k in order as the AVX2 forms', so both
  * give the same bits (kernels.greedy_head's screen relies on that). */
-#include <omp.h>
-
 enum { ROWS_WIDE = 6 }; /* 18 accumulators, 6 weight vectors, 2 broadcasts of the 32 registers */
-
-/* Panels a thread takes at a time, as panel_gemm_avx2.h's panel_chunk: one or two rows, a thread's
- * share in one contiguous run the hardware prefetcher follows; more rows, one panel at a time. A
- * one-row step's int8 matmuls and lm_head on a 2-vCPU Cascade Lake took 8.3 ms against 9.3-9.5 one
- * panel at a time, bf16 14.2 against 15.3-15.7 (docs/cpu.md). */
-static inline int64_t run_chunk(int64_t m_dim, int64_t panels)
-{
-    const int64_t threads = omp_get_max_threads();
-    return m_dim <= 2 ? (panels + threads - 1) / threads : 1;
-}
 
 static inline __attribute__((always_inline)) void tile_wide(const float *x, int64_t ldx, const uint16_t *w,
                                                            int64_t n, int64_t k_dim, int64_t k0, int64_t k1,

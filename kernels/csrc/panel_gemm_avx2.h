@@ -22,14 +22,10 @@ enum { PANEL = 48, ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 sca
  * once in order; more rows take 4 x 3 tiles, each weight vector loaded serving 4 rows (2 x 6
  * spilled accumulators in the bf16 form and left 65 % of the FMA rate unused at 16 rows). */
 
-/* Panels a thread takes at a time. One or two rows: a thread's share in one contiguous run,
- * which the hardware prefetcher follows across panels (one panel at a time, the two threads'
- * panels interleaved, a 1-row step's int8 matmuls took 5.5 ms against 4.8, medians of six
- * alternated runs; see docs/cpu.md). More rows: one panel at a time, their tiles are compute. */
+/* Panels a thread takes at a time: panel_gemm.c's run_chunk, fp32 too on an AVX2 CPU. */
 static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
 {
-    const int64_t threads = omp_get_max_threads();
-    return m_dim <= 2 ? (panels + threads - 1) / threads : 1;
+    return run_chunk(m_dim, panels);
 }
 
 /* The first `count` of 8 lanes, as vmaskmov takes it. */

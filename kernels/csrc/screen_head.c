@@ -1,8 +1,8 @@
 /* The greedy token of each row of x [M, K] from a screen of the lm_head, on CPUs whose panel GEMM
  * keeps the rows fp32 under bf16 weights and int16 under int8 (panel_gemm_avx2.h's forms on AVX2
  * and on Skylake-SP; their 16-lane twins in panel_gemm.c on AVX-512 VNNI without its BF16, the
- * same chains): exactly argmax of the
- * logits the full head gives, first index on ties, for half of the head's weight stream.
+ * same chains): exactly argmax of the logits the full head gives, first index on ties, for half
+ * of the head's weight stream.
  *
  * kernels/greedy_head.py's ScreenedHead computes the screen s = x @ W'.T with the panel GEMM on a
  * copy W' of the head in half its bytes (int8 groups of a bf16 head, bf16 of an fp32 one); this
