@@ -34,7 +34,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from client import bench_report
+from client import bench_report, cpu_times
 from client.stream import stream_generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,7 +173,7 @@ def _run_level_once(t: Target, mode: str, level: float, w: Workload, seed: int, 
     # genai-perf runs the perf_analyzer it finds on PATH: the venv's wrapper.
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
     row = {**base_row(t, mode, level, w), "run_dir": run_dir, "error": None}
-    start = time.time()
+    start, cpu = time.time(), cpu_times.read()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(genai_perf_cmd(t, mode, level, w, seed, run_dir), cwd=run_dir,
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -185,6 +185,7 @@ def _run_level_once(t: Target, mode: str, level: float, w: Workload, seed: int, 
             progress.tick(_phase(log_path), time.time() - start)
             time.sleep(1)
     row["seconds"] = round(time.time() - start, 1)
+    row["steal"] = cpu_times.read().share_stolen_since(cpu)
     if proc.returncode != 0:
         row["error"] = f"genai-perf exited {proc.returncode}; log: {log_path}\n" + _tail(log_path)
         return row

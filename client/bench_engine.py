@@ -11,8 +11,8 @@ Per repetition: output tok/s = output tokens / wall (first submit -> last
 token), TTFT (submit -> first token), ITL per request ((last - first token) /
 (tokens - 1), as genai-perf computes it). The median over repetitions is
 printed per level, with the CPU share other processes took during the runs
-(this machine is shared). With --out DIR, the repetition closest to that median
-is also written as client.bench rows (target `engine`: bench.json, table.txt,
+(this machine is shared) and the share a VM's hypervisor took (steal). With
+--out DIR, the repetition closest to that median is also written as client.bench rows (target `engine`: bench.json, table.txt,
 plots), so `client.bench --merge` puts the engine beside the same engine behind
 tritonserver and prints the ratios.
 """
@@ -31,6 +31,7 @@ import numpy as np
 from backends.config import EngineConfig
 from backends.engine import Engine
 from backends.request import RequestOutput, SamplingParams
+from client import cpu_times
 
 STDLIB = "/usr/lib/python3.11"
 
@@ -71,11 +72,6 @@ class Stream:
             self.on_done(self)
 
 
-def busy_ticks() -> int:
-    v = list(map(int, open("/proc/stat").readline().split()[1:]))
-    return sum(v) - v[3] - v[4]
-
-
 def own_ticks() -> int:
     st = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
     return int(st[11]) + int(st[12])
@@ -98,7 +94,7 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
         if not stream.error:
             start_next()
 
-    c0, o0, t0 = busy_ticks(), own_ticks(), time.perf_counter()
+    c0, o0, t0 = cpu_times.read(), own_ticks(), time.perf_counter()
     for _ in range(concurrency):
         start_next()
     finished.wait()
@@ -106,7 +102,8 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
     if failed:
         raise RuntimeError(f"a request failed: {failed}")
     wall = max(s.stamps[-1] for s in done) - t0
-    foreign = max(0, (busy_ticks() - c0) - (own_ticks() - o0)) / os.sysconf("SC_CLK_TCK")
+    c1 = cpu_times.read()
+    foreign = max(0, (c1.busy - c0.busy) - (own_ticks() - o0)) / os.sysconf("SC_CLK_TCK")
     tokens = sum(s.tokens for s in done)
     ms = lambda values: 1e3 * np.asarray(values, dtype=float)
     return dict(tok_s=tokens / wall, req_s=len(done) / wall, tokens=tokens, requests=len(done),
@@ -114,7 +111,7 @@ def wave(engine: Engine, prompts: list[list[int]], concurrency: int, params: Sam
                 itl=ms([(s.stamps[-1] - s.stamps[0]) / (s.tokens - 1) for s in done if s.tokens > 1]),
                 latency=ms([s.stamps[-1] - s.t0 for s in done]), osl=[s.tokens for s in done],
                 ids=[s.ids for s in done],  # in the order the requests finished
-                foreign=foreign / (os.cpu_count() * wall))
+                foreign=foreign / (os.cpu_count() * wall), steal=c1.share_stolen_since(c0))
 
 
 def bench_row(c: int, r: dict, prompt_tokens: int, output_tokens: int) -> dict:
@@ -126,7 +123,7 @@ def bench_row(c: int, r: dict, prompt_tokens: int, output_tokens: int) -> dict:
             "error": None, "output_tok_s": r["tok_s"], "requests_s": r["req_s"],
             "ttft_ms": pcts(r["ttft"]), "itl_ms": pcts(r["itl"]), "latency_ms": pcts(r["latency"]),
             "osl": {"min": min(r["osl"]), "avg": float(np.mean(r["osl"])), "max": max(r["osl"])},
-            "isl_avg": float(prompt_tokens)}
+            "isl_avg": float(prompt_tokens), "steal": r["steal"]}
 
 
 def bench_engine(args, engine: Engine) -> list[dict]:
@@ -146,7 +143,8 @@ def bench_engine(args, engine: Engine) -> list[dict]:
         print(json.dumps(dict(streams=c, requests=n, tok_s=round(med["tok_s"], 1),
                               ttft_p50_ms=round(med["ttft"], 1), itl_p50_ms=round(med["itl"], 2),
                               runs_tok_s=[round(r["tok_s"], 1) for r in reps],
-                              foreign_cpu=[round(r["foreign"], 2) for r in reps])), flush=True)
+                              foreign_cpu=[round(r["foreign"], 2) for r in reps],
+                              steal=[round(r["steal"], 3) for r in reps])), flush=True)
         typical = min(reps, key=lambda r: abs(r["tok_s"] - med["tok_s"]))
         rows.append(bench_row(c, typical, args.prompt_tokens, args.output_tokens))
     return rows

@@ -94,8 +94,9 @@ def _key(row: dict) -> tuple:
 
 
 # ---- table ----------------------------------------------------------------------------
+STEAL_NOTE = 0.01  # a row whose CPUs lost this share to the hypervisor gets a note
 HEADER = ("target", "load", "reqs", "out tok/s", "req/s", "TTFT ms p50/p90/p99", "ITL ms p50/p90/p99",
-          "latency ms p50/p90/p99", "out tokens", "tokens vs server")
+          "latency ms p50/p90/p99", "out tokens", "tokens vs server", "steal %")
 
 
 def table(rows: list[dict]) -> str:
@@ -108,12 +109,19 @@ def table(rows: list[dict]) -> str:
 def _cells(r: dict) -> tuple:
     load = _load(r)
     if r.get("error"):
-        return (r["target"], load, str(r["requests"]), "FAILED") + ("",) * 6
+        return (r["target"], load, str(r["requests"]), "FAILED") + ("",) * 6 + (_steal_cell(r),)
     pct = lambda m, d: "/".join(f"{m[p]:.{d}f}" for p in PCTS)
     osl = r["osl"]
     out = f"{osl['avg']:.0f}" if osl["min"] == osl["max"] else f"{osl['min']:.0f}-{osl['max']:.0f}"
     return (r["target"], load, str(r["request_count"]), f"{r['output_tok_s']:.1f}", f"{r['requests_s']:.2f}",
-            pct(r["ttft_ms"], 0), pct(r["itl_ms"], 1), pct(r["latency_ms"], 0), out, _token_cell(r))
+            pct(r["ttft_ms"], 0), pct(r["itl_ms"], 1), pct(r["latency_ms"], 0), out, _token_cell(r),
+            _steal_cell(r))
+
+
+def _steal_cell(r: dict) -> str:
+    # The share of the machine's CPU time its hypervisor took while the level ran ("-": a row
+    # written before the column).
+    return f"{100 * r['steal']:.1f}" if r.get("steal") is not None else "-"
 
 
 def _token_cell(r: dict) -> str:
@@ -278,4 +286,9 @@ def write(report: dict, out_dir: str) -> int:
                   f"tokens, the server sent {t['server_total']}: {len(t['retokenized'])} request(s) whose text "
                   "re-encodes to fewer tokens (e.g. two streamed newlines -> one token); the text matches the "
                   "server's token ids.", file=sys.stderr)
+    for r in rows:
+        if (r.get("steal") or 0) >= STEAL_NOTE:
+            print(f"\nnote: {r['target']} {r['mode']}={r['level']:g}: the hypervisor took {100 * r['steal']:.1f} % of "
+                  "this VM's CPU time while it ran (steal); a step that waits for a descheduled vCPU stalls, so "
+                  "its figures are low.", file=sys.stderr)
     return 1 if failed else 3 if bad_tokens else 0

@@ -40,6 +40,7 @@ def test_bench_llm_counts_equal_server(llm_server, tmp_path):
     assert tokens["equal"] and not tokens["mismatches"], tokens
     assert tokens["client_total"] == tokens["server_total"] == tokens["genai_perf_total"] == 2 * TOKENS
     assert row["osl"] == {"min": TOKENS, "avg": TOKENS, "max": TOKENS}
+    assert 0 <= row["steal"] < 1 and proc.stdout.splitlines()[0].endswith("steal %")
     # Independently of the tool: what the server itself sent, per request.
     [export] = [os.path.join(d, f) for d, _, fs in os.walk(row["run_dir"]) for f in fs if f == "profile_export.json"]
     with open(export) as f:
@@ -58,6 +59,7 @@ def test_engine_in_process_beside_llm(llm_server, default_model, tmp_path):
     [engine] = json.loads((engine_dir / "bench.json").read_text())["results"]
     assert engine["target"] == "engine" and engine["request_count"] == 2 and engine["osl"]["avg"] == TOKENS
     assert engine["ttft_ms"]["p50"] <= engine["latency_ms"]["p50"] and engine["itl_ms"]["p50"] > 0
+    assert 0 <= engine["steal"] < 1
     proc, report = run_bench(tmp_path, "--target", f"llm=grpc://{llm_server.grpc_url}",
                              "--merge", str(engine_dir / "bench.json"))
     llm = next(r for r in report["results"] if r["target"] == "llm")
@@ -158,6 +160,32 @@ def test_rounds_of_each_tandem_dtype_against_the_peers(tmp_path, capsys):
     bf16, int8 = out.split("llm-int8 / target")
     assert "llm-bf16 / target" in bf16 and "llamacpp-bf16  c=1 1.26x (1.20-1.32)" in bf16 and "llm-int8" not in bf16
     assert "llamacpp-q8    c=1 1.05x (1.00-1.10)" in int8 and "llm-bf16" not in int8
+
+
+def test_cpu_times_steal_share(tmp_path):
+    """The steal share is stolen ticks over all ticks between two reads of /proc/stat; guest
+    time (already in user) is not counted twice."""
+    from client import cpu_times
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 5 20 1000 7 3 2 40 30 0\ncpu0 50 2 10 500 3 1 1 20 15 0\n")
+    before = cpu_times.read(str(stat))
+    assert before == cpu_times.CpuTimes(busy=130, steal=40, total=1177)
+    stat.write_text("cpu  150 5 30 1030 7 3 2 50 60 0\n")
+    assert cpu_times.read(str(stat)).share_stolen_since(before) == pytest.approx(10 / 100)
+
+
+def test_table_shows_steal_and_notes_a_stolen_level(tmp_path, capsys):
+    from client import bench_report
+    pcts = {"avg": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0}
+    row = lambda level, steal: {"target": "llm", "kind": "triton", "mode": "concurrency", "level": level,
+                                "requests": 2, "request_count": 2, "error": None, "output_tok_s": 10.0,
+                                "requests_s": 1.0, "ttft_ms": pcts, "itl_ms": pcts, "latency_ms": pcts,
+                                "osl": {"min": 6, "avg": 6, "max": 6}, "steal": steal}
+    rows = [row(1.0, 0.002), row(8.0, 0.034), {**row(16.0, 0.0), "steal": None}]
+    bench_report.write({"results": rows}, str(tmp_path))
+    out, err = capsys.readouterr()
+    assert [line.split()[-1] for line in out.splitlines()[2:5]] == ["0.2", "3.4", "-"]
+    assert "llm concurrency=8: the hypervisor took 3.4 %" in err and "concurrency=1:" not in err
 
 
 def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):
