@@ -228,6 +228,29 @@ def test_avx512_without_its_bf16_builds_bf16_and_int8_forms(march, forms, vnni, 
     assert any("vpdpwssd" in line and "zmm" in line for line in code.splitlines()) == vnni, march
 
 
+@pytest.mark.parametrize("march, screens", [("x86-64", False), ("haswell", True), ("skylake-avx512", True),
+                                            ("cascadelake", True), ("cooperlake", False)])
+def test_screen_head_builds_for_every_cpu(march, screens, tmp_path):
+    """screen_head.c builds on every CPU, and says where its screen holds: where the panel GEMM keeps
+    the rows fp32 / int16 (AVX2, AVX-512 without its BF16), not where it rounds them to bf16 nor
+    where there is no panel GEMM (SSE alone: its exact logits still build, for packed heads too)."""
+    cc = cbuild.compiler()
+    if not shutil.which(cc) or not shutil.which("objdump"):
+        pytest.skip("needs a C compiler and objdump")
+    lib = tmp_path / "screen_head.so"
+    flags = [f for f in cbuild.FLAGS if not f.startswith("-march=")]
+    done = subprocess.run([cc, *flags, f"-march={march}", str(cbuild.CSRC / "screen_head.c"), "-o", str(lib), "-lm"],
+                          capture_output=True, text=True)
+    if done.returncode and "march" in done.stderr:
+        pytest.skip(f"{cc} does not know -march={march}")
+    assert done.returncode == 0, done.stderr
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                          check=True).stdout
+    ready = code.split("<screen_head_ready>:\n", 1)[1].split("\n\n", 1)[0]
+    assert ("$0x1" in ready) == screens, (march, ready)
+    assert "<screen_head_logits>:" in code and "<screen_head>:" in code
+
+
 def test_bf16_pack_layout():
     """Panels of 48 outputs, k in pairs: element [p, k // 2, j, k % 2] is w[48 p + j, k]."""
     w = torch.arange(50 * 5, dtype=torch.float32).view(50, 5)

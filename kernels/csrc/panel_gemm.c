@@ -627,7 +627,10 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "panel_gemm_avx2.h"
 #else
-/* Built without AVX-512 or AVX2: returns -1 and the caller keeps oneDNN. */
+/* Built without AVX-512 or AVX2: returns -1 and the caller keeps oneDNN. The packing's width stays
+ * defined: screen_head.c's scalar exact logits read packed heads in any build. */
+enum { PANEL = 48 };
+
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                    float *y)
 {

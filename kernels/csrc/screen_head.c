@@ -81,6 +81,14 @@ static float exact_logit(const float *x, const void *w, int layout, int64_t n, i
     return acc;
 }
 
+/* The bound above holds for GEMMs that keep the rows fp32 under bf16 weights and int16 groups under
+ * int8 (panel_gemm_avx2.h's, and panel_gemm.c's for AVX-512 VNNI without its BF16); the AVX-512 BF16
+ * forms round the rows to bf16: no screen there. */
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))
+#include <immintrin.h>
+
+int screen_head_ready(void) { return 1; }
+
 /* ||x - x'|| for the int16 rows of panel_gemm_avx2.h's rows_to_i16 (an upper bound). */
 static double int16_error(const float *x, int64_t k_dim)
 {
@@ -95,14 +103,6 @@ static double int16_error(const float *x, int64_t k_dim)
     }
     return sqrt(sq);
 }
-
-/* The bound above holds for GEMMs that keep the rows fp32 under bf16 weights and int16 groups under
- * int8 (panel_gemm_avx2.h's, and panel_gemm.c's for AVX-512 VNNI without its BF16); the AVX-512 BF16
- * forms round the rows to bf16: no screen there. */
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))
-#include <immintrin.h>
-
-int screen_head_ready(void) { return 1; }
 
 /* Row m's token: the screen's bounds turned into hi_j (kept in s) and the best lower bound, the
  * candidates collected, then the winner among them. Returns the token, or -1 (no candidate: a
