@@ -202,6 +202,22 @@ def test_int8_pack_holds_the_group_scales_after_the_panels():
     assert q[0, 16, 0].tolist() == [0, 127]
 
 
+def disassembly(source: str, march: str, tmp_path) -> str:
+    """kernels/csrc/<source> built for -march=<march> as cbuild builds it, disassembled."""
+    cc = cbuild.compiler()
+    if not shutil.which(cc) or not shutil.which("objdump"):
+        pytest.skip("needs a C compiler and objdump")
+    lib = tmp_path / "lib.so"
+    flags = [f for f in cbuild.FLAGS if not f.startswith("-march=")]
+    done = subprocess.run([cc, *flags, f"-march={march}", str(cbuild.CSRC / source), "-o", str(lib), "-lm"],
+                          capture_output=True, text=True)
+    if done.returncode and "march" in done.stderr:
+        pytest.skip(f"{cc} does not know -march={march}")
+    assert done.returncode == 0, done.stderr
+    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
+                          check=True).stdout
+
+
 @pytest.mark.parametrize("march, forms, vnni", [("skylake-avx512", True, False), ("cascadelake", True, True),
                                                ("icelake-server", True, True), ("cooperlake", True, True),
                                                ("x86-64", False, False)])
@@ -210,18 +226,7 @@ def test_avx512_without_its_bf16_builds_bf16_and_int8_forms(march, forms, vnni, 
     GEMMs, not the stubs that return -1: with VNNI (Cascade Lake, Ice Lake) its 16-lane forms, int8
     through vpdpwssd on zmm registers; without it (Skylake-SP) the AVX2 forms. Built for SSE alone
     it has only the stubs. A GEMM is one that opens an OpenMP team."""
-    cc = cbuild.compiler()
-    if not shutil.which(cc) or not shutil.which("objdump"):
-        pytest.skip("needs a C compiler and objdump")
-    lib = tmp_path / "panel_gemm.so"
-    flags = [f for f in cbuild.FLAGS if not f.startswith("-march=")]
-    done = subprocess.run([cc, *flags, f"-march={march}", str(cbuild.CSRC / "panel_gemm.c"), "-o", str(lib), "-lm"],
-                          capture_output=True, text=True)
-    if done.returncode and "march" in done.stderr:
-        pytest.skip(f"{cc} does not know -march={march}")
-    assert done.returncode == 0, done.stderr
-    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
-                          check=True).stdout
+    code = disassembly("panel_gemm.c", march, tmp_path)
     for function in ("panel_gemm_bf16", "panel_gemm_i8"):
         body = code.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
         assert ("GOMP_parallel" in body) == forms, (march, function, body)
@@ -234,18 +239,7 @@ def test_screen_head_builds_for_every_cpu(march, screens, tmp_path):
     """screen_head.c builds on every CPU, and says where its screen holds: where the panel GEMM keeps
     the rows fp32 / int16 (AVX2, AVX-512 without its BF16), not where it rounds them to bf16 nor
     where there is no panel GEMM (SSE alone: its exact logits still build, for packed heads too)."""
-    cc = cbuild.compiler()
-    if not shutil.which(cc) or not shutil.which("objdump"):
-        pytest.skip("needs a C compiler and objdump")
-    lib = tmp_path / "screen_head.so"
-    flags = [f for f in cbuild.FLAGS if not f.startswith("-march=")]
-    done = subprocess.run([cc, *flags, f"-march={march}", str(cbuild.CSRC / "screen_head.c"), "-o", str(lib), "-lm"],
-                          capture_output=True, text=True)
-    if done.returncode and "march" in done.stderr:
-        pytest.skip(f"{cc} does not know -march={march}")
-    assert done.returncode == 0, done.stderr
-    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib)], capture_output=True, text=True,
-                          check=True).stdout
+    code = disassembly("screen_head.c", march, tmp_path)
     ready = code.split("<screen_head_ready>:\n", 1)[1].split("\n\n", 1)[0]
     assert ("$0x1" in ready) == screens, (march, ready)
     assert "<screen_head_logits>:" in code and "<screen_head>:" in code
