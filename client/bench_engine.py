@@ -12,8 +12,9 @@ token), TTFT (submit -> first token), ITL per request ((last - first token) /
 (tokens - 1), as genai-perf computes it). The median over repetitions is
 printed per level, with the CPU share other processes took during the runs
 (this machine is shared) and the share a VM's hypervisor took (steal). With
---out DIR, the repetition closest to that median is also written as client.bench rows (target `engine`: bench.json, table.txt,
-plots), so `client.bench --merge` puts the engine beside the same engine behind
+--out DIR, the repetition closest to that median is also written as
+client.bench rows (target `engine`: bench.json, table.txt, plots), so
+`client.bench --merge` puts the engine beside the same engine behind
 tritonserver and prints the ratios.
 """
 from __future__ import annotations
