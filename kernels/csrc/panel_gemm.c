@@ -22,6 +22,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The packing's width, the same in every build (kernels/linear.py's PANEL; screen_head.c reads
+ * packed heads with it even where no GEMM below is built). */
+enum { PANEL = 48 };
+
 /* Panels a thread takes at a time in the forms that read a panel in 8-lane steps or widen it (the
  * AVX2 header's, and the bf16 and int8 forms of AVX-512 without its BF16). One or two rows: a
  * thread's share in one contiguous run, which the hardware prefetcher follows across panels (one
@@ -44,7 +48,7 @@ int panel_gemm_amx_ready(void) { return 0; }
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-enum { PANEL = 48, ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
+enum { ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
 /* Panels a thread takes at a time: one (see panel_gemm_f32). */
 static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
@@ -605,7 +609,6 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 /* AVX-512 without VNNI or its BF16 (Skylake-SP): bf16 and int8 weights take the AVX2 forms, the
  * same panels read 8 lanes at a time (the rows stay fp32 and int16, as on an AVX2 CPU). The
  * header's names that this file's AVX-512 code also defines are renamed around it. */
-#define PANEL AVX2_PANEL
 #define ROWS AVX2_ROWS
 #define KBLOCK AVX2_KBLOCK
 #define GROUP2 AVX2_GROUP2
@@ -614,7 +617,6 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #define store_tile avx2_store_tile
 #define panel_f32 avx2_panel_f32
 #include "panel_gemm_avx2.h"
-#undef PANEL
 #undef ROWS
 #undef KBLOCK
 #undef GROUP2
@@ -627,10 +629,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "panel_gemm_avx2.h"
 #else
-/* Built without AVX-512 or AVX2: returns -1 and the caller keeps oneDNN. The packing's width stays
- * defined: screen_head.c's scalar exact logits read packed heads in any build. */
-enum { PANEL = 48 };
-
+/* Built without AVX-512 or AVX2: returns -1 and the caller keeps oneDNN. */
 int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, int64_t n, int64_t k_dim,
                    float *y)
 {

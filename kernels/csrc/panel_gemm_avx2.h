@@ -14,7 +14,8 @@
 #include <math.h>
 #include <omp.h>
 
-enum { PANEL = 48, ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
+/* PANEL: panel_gemm.c's, which includes this header. */
+enum { ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
 /* A register tile: `rows` rows (1..ROWS) by `vecs` vectors of 8 columns (6: the whole panel, for
  * 1 or 2 rows; 3: half of it, for up to 4 rows), from the panel's vector j0: at most 12
