@@ -71,7 +71,7 @@ class LlamaModel:
         self.cos_table = self.sin_table = None  # [positions, D], build_rope_tables
         self.fused_kv = False  # rotate q, k and store k, v in one op (ops.rope_store), set by the runner
         self.scale = cfg.head_dim ** -0.5
-        self.decoder = None  # all layers in one call (kernels.decoder), set by the runner where it applies
+        self.decoder = None  # the forward in one call (kernels.decoder), set by the runner where it applies
         self.mlp = None      # (layer, x) -> MLP output when it is not this model's alone (backends.dp)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -116,38 +116,25 @@ class LlamaModel:
                 hook: LayerHook | None = None) -> torch.Tensor:
         """input_ids, positions [T]; kv [L, 2, P, S, Hkv, D]; returns the final-norm hidden
         states of `logit_rows` [len(logit_rows), hidden], the lm_head's input (`logits`, `greedy`)."""
+        if self.decoder is not None and self.mlp is None:
+            cos, sin = self.cos_table, self.sin_table
+            if cos is None:  # no tables built: this forward's own rows, looked up in order
+                cos, sin = self._rope(positions)
+                positions = torch.arange(positions.shape[0])
+            return self.decoder(input_ids, positions, cos, sin, kv, plan, logit_rows, hook)
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = (None, None) if self.fused_kv else self.rope_tables(positions)
-        if self.decoder is not None and self.mlp is None:
-            h = self._decoder_calls(residual, cos, sin, kv, plan, hook)
-        else:
-            h, after = None, set(hook.after) if hook is not None else set()
-            for i, w in enumerate(self.layers):
-                x = ops.add_rms_norm(residual, h, w.input_norm, eps)
-                h = self._attention(x, w, kv[i], positions, cos, sin, attn, plan)
-                x = ops.add_rms_norm(residual, h, w.post_norm, eps)
-                h = self.mlp(i, x) if self.mlp is not None else \
-                    self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
-                if i in after:
-                    hook.run(i)
+        h, after = None, set(hook.after) if hook is not None else set()
+        for i, w in enumerate(self.layers):
+            x = ops.add_rms_norm(residual, h, w.input_norm, eps)
+            h = self._attention(x, w, kv[i], positions, cos, sin, attn, plan)
+            x = ops.add_rms_norm(residual, h, w.post_norm, eps)
+            h = self.mlp(i, x) if self.mlp is not None else \
+                self.linear(ops.silu_mul(self.linear(x, w.gate_up)), w.down)
+            if i in after:
+                hook.run(i)
         return ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
-
-    def _decoder_calls(self, residual, cos, sin, kv, plan, hook: LayerHook | None) -> torch.Tensor:
-        """The fused decoder, one call per run of layers between the hook's stops. The C
-        kernel adds no h in its first layer, so the previous call's h is added here first:
-        the same fp32 add, so the output is that of one call."""
-        n = self.cfg.num_layers
-        ends = sorted(set(hook.after if hook is not None else ()) | {n - 1})
-        h, start = None, 0
-        for end in ends:
-            if h is not None:
-                residual.add_(h)
-            h = self.decoder(residual, cos, sin, kv, plan, range(start, end + 1))
-            if hook is not None and end in hook.after:
-                hook.run(end)
-            start = end + 1
-        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] (forward's output) -> fp32 logits [n, V]."""

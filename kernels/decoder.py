@@ -1,4 +1,5 @@
-"""All decoder layers in one C call (csrc/decoder.c) where every op has a C kernel.
+"""A model's forward in one C call (csrc/decoder.c) where every op has a C kernel: the embedding
+rows, all decoder layers and the final norm.
 
 The model's per-op loop (backends.model) stays the reference and the path of GPUs,
 other dtypes and models with a qkv bias or q/k norms. The prefill side of a hand-off
@@ -25,55 +26,105 @@ class DecoderShape(ctypes.Structure):
         + [("eps", _f32), ("scale", _f32)]
 
 
-# shape, residual, weights, cos, signed_sin, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens,
-# x, qkv, attn, h, gate_up, act, xb
-ARGTYPES = (ctypes.POINTER(DecoderShape), _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
-SIGNATURES = {"decoder_layers_f32": ARGTYPES}
+class DecoderStep(ctypes.Structure):
+    _fields_ = [("first", _i64), ("last", _i64), ("ids", _ptr), ("embed", _ptr), ("vocab", _i64),
+                ("positions", _ptr), ("cos_table", _ptr), ("sin_table", _ptr), ("max_position", _i64),
+                ("final_norm", _ptr), ("out_rows", _ptr), ("n_out", _i64), ("out", _ptr)]
+
+
+# shape, step, residual, weights, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens,
+# cos, sin, x, qkv, attn, h, gate_up, act, xb
+ARGTYPES = (ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderStep), _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
+            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr)
+SIGNATURES = {"decoder_forward_f32": ARGTYPES}
+ERRORS = {-1: (RuntimeError, "decoder_forward_f32 was built without AVX-512 or AVX2 and FMA"),
+          -2: (MemoryError, "paged attention: no memory for the scores buffer"),
+          -3: (IndexError, "a token id is outside the vocabulary"),
+          -4: (IndexError, "a position is outside the rope tables"),
+          -5: (IndexError, "an output row is outside the batch")}
+
+
+class Workspace:
+    """The call's buffers for up to `rows` rows, kept from one forward to the next (a step
+    allocated nine a call); residual and h carry a forward's state between its calls."""
+
+    def __init__(self, cfg, rows: int, weights_kind: int):
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        widths = dict(residual=cfg.hidden_size, h=cfg.hidden_size, cos=cfg.head_dim, sin=cfg.head_dim,
+                      x=cfg.hidden_size, qkv=q_size + 2 * kv_size, attn=q_size, gate_up=2 * cfg.intermediate_size,
+                      act=cfg.intermediate_size)
+        self.rows, self.floats = rows, torch.empty(rows * sum(widths.values()), dtype=torch.float32)
+        self.xb = torch.empty(scratch_words(rows, max(cfg.hidden_size, q_size, cfg.intermediate_size))
+                              if weights_kind else 1, dtype=torch.int32)
+        self.views, offset = {}, 0
+        for name, width in widths.items():
+            self.views[name] = self.floats[offset:offset + rows * width].view(rows, width)
+            offset += rows * width
+        p = {name: view.data_ptr() for name, view in self.views.items()}
+        self.residual = p["residual"]
+        # decoder_forward_f32's cos .. xb arguments, in its order
+        self.tail = (p["cos"], p["sin"], p["x"], p["qkv"], p["attn"], p["h"], p["gate_up"], p["act"],
+                     self.xb.data_ptr())
 
 
 class CpuDecoder:
-    """Built once per model from its prepared weights; call it once per forward."""
+    """Built once per model from its prepared weights; call it once per forward (one at a time:
+    the calls of a forward share one workspace)."""
 
     def __init__(self, model):
         cfg = model.cfg
-        self._kernel = cbuild.load("decoder", SIGNATURES).decoder_layers_f32
+        self._kernel = cbuild.load("decoder", SIGNATURES).decoder_forward_f32
         self.cfg, self.scale = cfg, model.scale
         self.weights_kind = getattr(model.linear, "kind", 0)  # decoder.c's: 0 fp32, 1 bf16, 2 int8 panels
         # The weights' addresses, six a layer in the order decoder.c reads them; the model keeps them alive.
         self.weights = torch.tensor([t.data_ptr() for w in model.layers for t in (
             w.input_norm, w.qkv.panels, w.o_proj.panels, w.post_norm, w.gate_up.panels, w.down.panels)],
             dtype=torch.int64)
+        self._shape = DecoderShape(0, cfg.hidden_size, 0, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.intermediate_size, 0, 0, self.weights_kind, 0, cfg.rms_norm_eps, self.scale)
+        self._step = DecoderStep(0, cfg.num_layers, 0, model.embed.data_ptr(), model.embed.shape[0], 0, 0, 0, 0,
+                                 model.norm.data_ptr(), 0, 0, 0)
+        self._work: Workspace | None = None
 
-    def __call__(self, residual: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv: torch.Tensor,
-                 plan, layers: range | None = None) -> torch.Tensor:
-        """Runs `layers` (default all) on residual [T, hidden] (updated in place) with the K/V of
-        `plan`'s rows (a kernels.cpu_backend.RowPlan); returns the last one's h [T, hidden], not yet
-        added. A range that does not start at layer 0 takes a residual the caller has added the
-        previous range's h to: the kernel's first layer adds nothing."""
-        c, rows = self.cfg, residual.shape[0]
-        layers = layers or range(c.num_layers)
-        empty = lambda width: torch.empty((rows, width), dtype=torch.float32)
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        x, qkv, attn, h = empty(c.hidden_size), empty(q_size + 2 * kv_size), empty(q_size), empty(c.hidden_size)
-        gate_up, act = empty(2 * c.intermediate_size), empty(c.intermediate_size)
-        xb = torch.empty(scratch_words(rows, max(c.hidden_size, q_size, c.intermediate_size))
-                         if self.weights_kind else 1, dtype=torch.int32)
-        shape = DecoderShape(rows, c.hidden_size, len(layers), c.num_heads, c.num_kv_heads, c.head_dim,
-                             c.intermediate_size, kv.shape[3], plan.pages.shape[1], self.weights_kind,
-                             int(kv.dtype == torch.bfloat16), c.rms_norm_eps, self.scale)
-        weights = self.weights.data_ptr() + layers.start * 6 * self.weights.element_size()
-        kv_start = kv.data_ptr() + layers.start * kv.stride(0) * kv.element_size()
-        rc = self._kernel(ctypes.byref(shape), residual.data_ptr(), weights, cos.data_ptr(),
-                          signed_sin.data_ptr(), kv_start, kv.stride(0), kv.stride(1),
-                          plan.meta.slot_mapping.data_ptr(), plan.pages.data_ptr(), plan.seqs.data_ptr(),
-                          plan.lens.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), h.data_ptr(),
-                          gate_up.data_ptr(), act.data_ptr(), xb.data_ptr())
-        if rc == -2:
-            raise MemoryError("paged attention: no memory for the scores buffer")
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 kv: torch.Tensor, plan, out_rows: torch.Tensor, hook=None) -> torch.Tensor:
+        """The forward of ids at positions [T] int64 with the K/V of `plan`'s rows (a
+        kernels.cpu_backend.RowPlan), one call per run of layers between the stops of `hook`
+        (a backends.model.LayerHook); returns the final norm of out_rows [n, hidden], the lm_head's
+        input. cos_table, sin_table [positions, D]: the model's rope tables."""
+        # the kernel reads int64 arrays in place (no copy where they already are)
+        ids, positions, out_rows = (t.to(torch.int64).contiguous() for t in (ids, positions, out_rows))
+        rows, n = ids.shape[0], self.cfg.num_layers
+        out = torch.empty((out_rows.shape[0], self.cfg.hidden_size), dtype=torch.float32)
+        if rows == 0:
+            return out
+        if self._work is None or self._work.rows < rows:
+            self._work = None  # its memory back before the larger one's
+            self._work = Workspace(self.cfg, rows, self.weights_kind)
+        shape, step = self._shape, self._step
+        shape.rows, shape.page_size, shape.max_pages = rows, kv.shape[3], plan.pages.shape[1]
+        shape.kv_bf16 = int(kv.dtype == torch.bfloat16)
+        step.ids, step.positions, step.out_rows, step.n_out, step.out = \
+            ids.data_ptr(), positions.data_ptr(), out_rows.data_ptr(), out_rows.shape[0], out.data_ptr()
+        step.cos_table, step.sin_table, step.max_position = cos_table.data_ptr(), sin_table.data_ptr(), cos_table.shape[0]
+        start = 0
+        for end in sorted(set(hook.after if hook is not None else ()) | {n - 1}):
+            self._layers(kv, plan, start, end + 1 - start)
+            if hook is not None and end in hook.after:
+                hook.run(end)
+            start = end + 1
+        return out
+
+    def _layers(self, kv: torch.Tensor, plan, first: int, count: int) -> None:
+        self._shape.layers, self._step.first = count, first
+        weights = self.weights.data_ptr() + first * 6 * self.weights.element_size()
+        kv_start = kv.data_ptr() + first * kv.stride(0) * kv.element_size()
+        rc = self._kernel(ctypes.byref(self._shape), ctypes.byref(self._step), self._work.residual, weights,
+                          kv_start, kv.stride(0), kv.stride(1), plan.meta.slot_mapping.data_ptr(),
+                          plan.pages.data_ptr(), plan.seqs.data_ptr(), plan.lens.data_ptr(), *self._work.tail)
         if rc != 0:
-            raise RuntimeError("decoder_layers_f32 was built without AVX-512 or AVX2 and FMA")
-        return h
+            error, message = ERRORS.get(rc, (RuntimeError, f"decoder_forward_f32 returned {rc}"))
+            raise error(message)
 
 
 def pick_decoder(model, attn) -> CpuDecoder | None:
