@@ -558,6 +558,32 @@ def test_decoder_in_layer_groups_is_bit_identical_and_hooks_see_their_layers(che
     assert torch.equal(grouped_kv, runner.kv) and [i for i, _ in seen] == list(stops)
 
 
+def test_decoder_refuses_ids_positions_and_rows_outside_its_tables_and_writes_nothing(checkpoint):
+    """The embedding and rope-table lookups are the kernel's: an id past the vocabulary, a
+    position past the tables or an output row past the batch raise before any layer runs (no
+    K/V written), and the next forward is the per-op loop's, bit for bit."""
+    from backends.request import Request, SamplingParams
+    from backends.runner import Batch
+
+    runner = cpu_runner(checkpoint("llama"))
+    model, vocab = runner.model, runner.model.embed.shape[0]
+    req = Request("r", list(range(3, 11)), SamplingParams(), None, None)
+    req.pages = runner.pool.allocate(3)
+    inputs = runner.prepare(Batch([(req, 8)]))
+    t, before = inputs.tensors, runner.kv.clone()
+    bad = [(t["ids"].clone().fill_(vocab), t["positions"], t["rows"], "vocabulary"),
+           (t["ids"], t["positions"] + model.cos_table.shape[0], t["rows"], "rope tables"),
+           (t["ids"], t["positions"], torch.tensor([8]), "outside the batch")]
+    for ids, positions, rows, message in bad:
+        with pytest.raises(IndexError, match=message):
+            model.forward(ids, positions, runner.kv, runner.attn, inputs.plan, rows)
+        assert torch.equal(runner.kv, before)
+    fused = runner.run(Batch([(req, 8)]))
+    runner.kv.copy_(before)
+    model.decoder = None
+    assert torch.equal(fused, runner.run(Batch([(req, 8)])))
+
+
 @pytest.mark.parametrize("arch,backend,fused", [("llama", "cpu", True), ("mistral", "cpu", True),
                                                 ("qwen2", "cpu", False), ("qwen3", "cpu", False),
                                                 ("llama", "torch", False)])
