@@ -56,11 +56,10 @@ class Workspace:
         self.rows, self.floats = rows, torch.empty(rows * sum(widths.values()), dtype=torch.float32)
         self.xb = torch.empty(scratch_words(rows, max(cfg.hidden_size, q_size, cfg.intermediate_size))
                               if weights_kind else 1, dtype=torch.int32)
-        self.views, offset = {}, 0
-        for name, width in widths.items():
-            self.views[name] = self.floats[offset:offset + rows * width].view(rows, width)
+        p, offset = {}, 0
+        for name, width in widths.items():  # each a [rows, width] block of `floats`
+            p[name] = self.floats[offset:].data_ptr()
             offset += rows * width
-        p = {name: view.data_ptr() for name, view in self.views.items()}
         self.residual = p["residual"]
         # decoder_forward_f32's cos .. xb arguments, in its order
         self.tail = (p["cos"], p["sin"], p["x"], p["qkv"], p["attn"], p["h"], p["gate_up"], p["act"],
