@@ -116,12 +116,8 @@ class LlamaModel:
                 hook: LayerHook | None = None) -> torch.Tensor:
         """input_ids, positions [T]; kv [L, 2, P, S, Hkv, D]; returns the final-norm hidden
         states of `logit_rows` [len(logit_rows), hidden], the lm_head's input (`logits`, `greedy`)."""
-        if self.decoder is not None and self.mlp is None:
-            cos, sin = self.cos_table, self.sin_table
-            if cos is None:  # no tables built: this forward's own rows, looked up in order
-                cos, sin = self._rope(positions)
-                positions = torch.arange(positions.shape[0])
-            return self.decoder(input_ids, positions, cos, sin, kv, plan, logit_rows, hook)
+        if self.decoder is not None and self.mlp is None:  # set by the runner, which builds the rope tables
+            return self.decoder(input_ids, positions, self.cos_table, self.sin_table, kv, plan, logit_rows, hook)
         eps, ops = self.cfg.rms_norm_eps, self.ops
         residual = F.embedding(input_ids, self.embed)  # this forward's own tensor: added to in place
         cos, sin = (None, None) if self.fused_kv else self.rope_tables(positions)

@@ -2,8 +2,8 @@
 rows, all decoder layers and the final norm.
 
 The model's per-op loop (backends.model) stays the reference and the path of GPUs,
-other dtypes and models with a qkv bias or q/k norms. The prefill side of a hand-off
-calls it once per layer group and posts the group's KV writes between calls. On a CPU
+other dtypes and models with a qkv bias or q/k norms. With a layer hook (the prefill side of a
+hand-off) a forward is one C call per layer group, the group's KV writes posted between them. On a CPU
 in fp32 with the panel GEMM (its fp32, bf16 or int8 weights: activations stay fp32, the KV
 fp32 or bf16), the C layer ops and the paged attention kernel, this runs the same kernels in the
 same order without the Python between them (see decoder.c for the why and the numbers).
