@@ -372,7 +372,7 @@ def test_cpu_random_batches(seed):
 def test_cpu_task_shapes_agree(dim, hkv):
     """A decode row takes all its KV heads in one task when there are at least two rows
     per thread, one head a task otherwise, and one query head a task when rows x KV heads
-    are fewer than two a thread. On the same batch (decodes beside a prefill chunk, whose
+    are fewer than the threads. On the same batch (decodes beside a prefill chunk, whose
     rows never take every head) 1 thread gets the first shape, 3 the second and 64 the
     third: all must match the reference and each other bit for bit."""
     meta = make_meta([1, 1, 5, 1, 1], [40, 17, 30, 3, 64], 16, num_pages=20, seed=dim)

@@ -127,6 +127,7 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len)
     for (int64_t g = 0; g < rows; g++) {
         float *s = scores + g * len;
         float max = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : max) /* the largest is the same in any order: 13 % of a decode's attention was this loop, scalar */
         for (int64_t t = 0; t < len; t++)
             max = s[t] > max ? s[t] : max;
 #pragma omp simd reduction(+ : sum)
@@ -170,36 +171,54 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, i
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* scores_scalar for dim = 16 * DV over `heads` KV heads of each slot: 16 tokens at a
- * time, their slots (heads * dim floats, contiguous) loaded once for all of the query
- * heads they serve (from L1 after the first). */
+/* scores_scalar for dim = 16 * DV over `heads` KV heads of each slot, 16 tokens at a time: a
+ * block's K rows are widened once (bf16) into `block` and every query head of the KV head reads
+ * them there, the 16 dot products in registers; rows past the end are zeros whose scores are
+ * never stored. Each score is the same chain of multiply-adds over the row as before, so the
+ * output does not depend on how the rows were loaded. */
 static inline __attribute__((always_inline)) void scores_avx512(const float *q, const void *k_cache,
                                                                const int64_t *offsets, int64_t len, const int DV,
                                                                int64_t heads, int64_t group, float scale,
                                                                const int bf16, float *scores)
 {
+    static const float zeros[128] __attribute__((aligned(64)));
+    float block[16 * 128] __attribute__((aligned(64)));
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? (int)(len - t0) : 16;
         for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 16; t++)
             prefetch_row(k_cache, offsets, t, len, heads * 16 * DV, bf16);
-        for (int64_t h = 0; h < heads; h++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *rows[16];
+            for (int j = 0; j < 16; j++) {
+                if (j >= n) {
+                    rows[j] = zeros;
+                    continue;
+                }
+                const void *k = kv_at(k_cache, offsets[t0 + j] + h * 16 * DV, bf16);
+                if (!bf16) {
+                    rows[j] = k;
+                    continue;
+                }
+                for (int c = 0; c < DV; c++)
+                    _mm512_store_ps(block + (j * DV + c) * 16, kv_load16(k, c, 1));
+                rows[j] = block + j * DV * 16;
+            }
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = q + (h * group + g) * 16 * DV;
                 __m512 qv[8], acc[16];
                 for (int c = 0; c < DV; c++)
                     qv[c] = _mm512_loadu_ps(qg + 16 * c);
+#pragma GCC unroll 16
                 for (int j = 0; j < 16; j++) {
                     acc[j] = _mm512_setzero_ps();
-                    if (j < n) {
-                        const void *k = kv_at(k_cache, offsets[t0 + j] + h * 16 * DV, bf16);
-                        for (int c = 0; c < DV; c++)
-                            acc[j] = _mm512_fmadd_ps(qv[c], kv_load16(k, c, bf16), acc[j]);
-                    }
+                    for (int c = 0; c < DV; c++)
+                        acc[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + 16 * c), acc[j]);
                 }
                 _mm512_mask_storeu_ps(scores + (h * group + g) * len + t0, (__mmask16)((1u << n) - 1),
                                       _mm512_mul_ps(sum16(acc), scale_v));
             }
+        }
     }
 }
 
@@ -275,27 +294,43 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const void *row, in
 }
 
 /* scores_scalar for dim = 8 * DV, 8 tokens at a time: a token's dot product is summed across
- * lanes with seven others' (the general loop summed each token's alone). */
+ * lanes with seven others' (the general loop summed each token's alone). As in scores_avx512, a
+ * block's rows are widened once for all the query heads, past the end zeros. */
 static inline __attribute__((always_inline)) void scores_avx2(const float *q, const void *k_cache,
                                                              const int64_t *offsets, int64_t len, const int DV,
                                                              int64_t group, float scale, const int bf16,
                                                              float *scores)
 {
+    static const float zeros[128] __attribute__((aligned(32)));
+    float block[8 * 128] __attribute__((aligned(32)));
     const __m256 scale_v = _mm256_set1_ps(scale);
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
         const int n = len - t0 < 8 ? (int)(len - t0) : 8;
         for (int64_t t = t0 + PREFETCH; t < t0 + PREFETCH + 8; t++)
             prefetch_row(k_cache, offsets, t, len, 8 * DV, bf16);
+        const float *rows[8];
+        for (int j = 0; j < 8; j++) {
+            if (j >= n) {
+                rows[j] = zeros;
+                continue;
+            }
+            const void *k = kv_at(k_cache, offsets[t0 + j], bf16);
+            if (!bf16) {
+                rows[j] = k;
+                continue;
+            }
+            for (int c = 0; c < DV; c++)
+                _mm256_store_ps(block + (j * DV + c) * 8, kv_load8(k, c, 1));
+            rows[j] = block + j * DV * 8;
+        }
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * 8 * DV;
             __m256 acc[8];
+#pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 acc[j] = _mm256_setzero_ps();
-                if (j < n) {
-                    const void *k = kv_at(k_cache, offsets[t0 + j], bf16);
-                    for (int c = 0; c < DV; c++)
-                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kv_load8(k, c, bf16), acc[j]);
-                }
+                for (int c = 0; c < DV; c++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(rows[j] + 8 * c), acc[j]);
             }
             float out[8];
             _mm256_storeu_ps(out, _mm256_mul_ps(sum8(acc), scale_v));
@@ -400,14 +435,16 @@ int paged_attention_f32(const float *q, int64_t q_stride, const void *k_cache, c
      * are contiguous, so its pass over K streams whole pages in order (30 layers of 192
      * tokens: 16 decodes 8.1 -> 6.9 ms, 8 decodes 2.7 -> 2.2 ms). Rows of a prefill chunk
      * read their context from cache, where one head a task is faster (128 rows over 512
-     * tokens: 45 -> 51 ms when each took every head). With fewer KV heads than 2 a thread
-     * (one decode: 3 KV heads on 2 threads, one thread did two), a task is one query head,
-     * its KV head's rows re-read from cache. The output is the same either way. */
+     * tokens: 45 -> 51 ms when each took every head). With fewer KV heads than threads, a
+     * task is one query head, its KV head's rows re-read from cache. One decode's 3 KV heads
+     * on 2 threads were split so too until its query heads shared their K/V loads: now one
+     * thread doing two KV heads is faster (430 tokens, 30 layers: 94-100 -> 56-74 us a layer,
+     * docs/cpu.md). The output is the same either way. */
     if (rows == 0) /* nothing to do, and malloc(0) may return NULL */
         return 0;
     const int64_t group = num_heads / num_kv_heads;
     const int whole = rows >= 2 * omp_get_max_threads();
-    const int64_t per_head = rows * num_kv_heads < 2 * omp_get_max_threads() ? group : 1; /* tasks a KV head */
+    const int64_t per_head = rows * num_kv_heads < omp_get_max_threads() ? group : 1; /* tasks a KV head */
     int64_t *task_row = malloc(3 * rows * num_heads * sizeof(int64_t));
     if (!task_row)
         return -1;
