@@ -116,11 +116,14 @@ int store_kv_bf16(const float *k, int64_t k_ld, const float *v, int64_t v_ld, co
  * out [rows, inter], both contiguous. */
 NOCONTRACT int silu_mul_f32(const float *gate_up, int64_t rows, int64_t inter, float *out)
 {
-#pragma omp parallel for if (rows * inter >= PARALLEL_MIN / 4) schedule(static)
+    /* Each lane's exp is a long dependent chain: 16 lanes an iteration (two AVX2 vectors) keep
+     * more of them in flight than the 8 GCC picks on its own, 1536 gates 4.4 -> 2.4-3.0 us. From
+     * 4096 gates (two rows of the default model) both threads take rows. */
+#pragma omp parallel for if (rows * inter >= PARALLEL_MIN / 16) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         float *y = out + r * inter;
-#pragma omp simd
+#pragma omp simd simdlen(16)
         for (int64_t i = 0; i < inter; i++)
             y[i] = g[i] / (1.f + vexp(-g[i])) * u[i];
     }
