@@ -5,7 +5,9 @@ tokens that can still win are computed again in fp32, the way the panel GEMM com
 them: the token is exactly argmax of the fp32 logits (first index on ties), for about
 half of the head's weight stream. Only for the panel GEMM's packing (fp32, AVX-512) on a
 CPU with AVX-512 BF16. The screen runs on the AMX tiles where the CPU has them, else on
-vdpbf16ps. On a GPU `pick_greedy_head` gives `DeviceGreedyHead`; elsewhere None.
+vdpbf16ps. Elsewhere ScreenedHead screens fp32 and bf16 heads the same way (csrc/screen_head.c),
+and ArgmaxHead gives an int8 head's token (or a bf16 one's where no screen holds) from its full
+logits in one C call. On a GPU `pick_greedy_head` gives `DeviceGreedyHead`.
 """
 from __future__ import annotations
 
@@ -126,7 +128,9 @@ SCREEN_SIGNATURES = {
     "screen_head": (_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
     # x, ldx, weights, layout, M, K, ids, n ids, out
     "screen_head_logits": (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr),
-    "screen_head_ready": ()}
+    "screen_head_ready": (),
+    # x, ldx, weights (the head's packing), kind, M, N, K, banned, offsets, logits, rows' scratch, tokens
+    "head_argmax": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr)}
 ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16 = range(4)  # csrc/screen_head.c's layouts
 
 
@@ -184,11 +188,7 @@ class ScreenedHead:
         return tokens.tolist() if rc == 0 else None
 
     def _scratch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The screen's logits [m, N] and its GEMM's row scratch, kept for the next step."""
-        if self._scores is None or self._scores.shape[0] < m:
-            self._scores = torch.empty(m, self.n, dtype=torch.float32)
-            self._rows = torch.empty(scratch_words(m, self.k), dtype=torch.int32)
-        return self._scores, self._rows
+        return _kept_scratch(self, m)
 
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """[M, len(ids)] fp32: each row's logits at ids, bit for bit those of the full head."""
@@ -215,6 +215,57 @@ class ScreenedHead:
             return False
         tokens = self(x[:2])  # None (too many candidates, a head of near-equal rows): the full logits decide
         return tokens is None or tokens == full[:2].argmax(-1).tolist()
+
+
+def _kept_scratch(head, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head's logits [m, N] and its GEMM's row scratch, kept for the next step (a new 196 KB
+    buffer a step is an mmap and an munmap)."""
+    if head._scores is None or head._scores.shape[0] < m:
+        head._scores = torch.empty(m, head.n, dtype=torch.float32)
+        head._rows = torch.empty(scratch_words(m, head.k), dtype=torch.int32)
+    return head._scores, head._rows
+
+
+class ArgmaxHead:
+    """The greedy head of an int8 head (no screen reads fewer bytes than it) and of a bf16 head
+    where no screen's bound holds (AVX-512 BF16): the full head's logits, by the same panel GEMM,
+    and their argmax in one C call (csrc/screen_head.c's head_argmax), so the same token as the
+    full logits give, with none of the tensor operations around them. Right after a step has
+    streamed its weights through the caches each such operation cost 5-20x what it costs alone
+    (docs/cpu.md, session 39)."""
+
+    def __init__(self, linear, packed: PackedWeight, k: int):
+        from kernels import cbuild
+
+        self._kernel = cbuild.load("screen_head", SCREEN_SIGNATURES).head_argmax
+        self.linear, self.packed, self.kind = linear, packed, linear.kind
+        self.n, self.k = packed.out_features, k
+        self._scores = self._rows = None
+
+    def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
+        """Greedy token of each row of hidden [M, K], row m never one of banned[m] (every id barred:
+        0, as argmax of the full logits); None where this build has no such GEMM."""
+        m = hidden.shape[0]
+        if hidden.dtype != torch.float32 or hidden.stride(-1) != 1:
+            hidden = hidden.float().contiguous()
+        flat, offsets = barred(banned, m)
+        scores, rows = _kept_scratch(self, m)
+        tokens = np.empty(m, dtype=np.int64)
+        rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.packed.panels.data_ptr(), self.kind, m, self.n,
+                          self.k, flat.ctypes.data, offsets.ctypes.data, scores.data_ptr(), rows.data_ptr(),
+                          tokens.ctypes.data)
+        return tokens.tolist() if rc == 0 else None
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> None:
+        """None: penalised rows take the full logits (no exact chain for a few ids of these heads)."""
+        return None
+
+    def runs_here(self) -> bool:
+        """Whether it gives the full head's argmax on random rows (its GEMM is the full head's)."""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, self.k, generator=g) * torch.tensor([[1.0], [30.0], [1e-3]])
+        tokens = self(x)
+        return tokens is not None and tokens == self.linear(x, self.packed).argmax(-1).tolist()
 
 
 def ban(logits: torch.Tensor, banned: list[list[int]] | None) -> None:
@@ -272,10 +323,11 @@ class DeviceGreedyHead:
 
 
 def pick_greedy_head(linear, weight: torch.Tensor, packed,
-                     tied: bool = False) -> GreedyHead | ScreenedHead | DeviceGreedyHead | None:
+                     tied: bool = False) -> GreedyHead | ScreenedHead | ArgmaxHead | DeviceGreedyHead | None:
     """On a GPU the device head; on a CPU with AVX-512 BF16 GreedyHead for an fp32 panel GEMM head;
     else ScreenedHead for an fp32 or bf16 panel GEMM head where its exact logits are the full
-    head's (checked here). tied: `weight` is the model's embeddings."""
+    head's (checked here); else ArgmaxHead for a bf16 or int8 one. tied: `weight` is the model's
+    embeddings."""
     from kernels import cbuild
 
     if weight.is_cuda:
@@ -286,6 +338,10 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed,
             return head
     if type(linear) in (PanelLinear, Bf16PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
         head = ScreenedHead(linear, weight, packed, tied=tied)
+        if head.runs_here():
+            return head
+    if type(linear) in (Bf16PanelLinear, Int8PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
+        head = ArgmaxHead(linear, packed, weight.shape[1])
         if head.runs_here():
             return head
     return None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends.config import cpu_flags
-from kernels.greedy_head import GreedyHead, ScreenedHead, pick_greedy_head
+from kernels.greedy_head import ArgmaxHead, GreedyHead, ScreenedHead, pick_greedy_head
 from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear, pick_linear
 
 CPU_FLAGS = cpu_flags()
@@ -143,14 +143,14 @@ def test_screened_head_gives_way_past_1024_candidates():
 
 
 @pytest.mark.parametrize("name", ["screened-fp32", "screened-bf16"])
-def test_the_engine_picks_the_screened_head_for_fp32_and_bf16_heads_not_int8(name):
+def test_the_engine_picks_the_screened_head_for_fp32_and_bf16_heads_the_argmax_head_for_int8(name):
     """Where it matches the full head (else make skips), unless GreedyHead (AVX-512 BF16) came first."""
     kind, w = Kind(name), torch.randn(200, 32)
     kind.make(w)
     head = pick_greedy_head(kind.linear, w, kind.linear.prepare(w), tied=True)
     assert isinstance(head, ScreenedHead) or isinstance(head, GreedyHead) and type(kind.linear) is PanelLinear
     int8 = Int8PanelLinear()
-    assert pick_greedy_head(int8, w, int8.prepare(w), tied=True) is None  # no screen halves int8's bytes
+    assert isinstance(pick_greedy_head(int8, w, int8.prepare(w), tied=True), ArgmaxHead)  # no screen halves its bytes
 
 
 def test_sampler_uses_it_only_where_no_logits_are_needed(kind):
@@ -185,6 +185,71 @@ def test_sampler_uses_it_only_where_no_logits_are_needed(kind):
     model.calls.clear()
     tokens2, logprobs = sample(model, x[:1], reqs[:1], [[]], with_logprobs=True)
     assert model.calls == [("logits", 1)] and len(logprobs) == 1 and tokens2 == tokens[:1]
+
+
+def argmax_head(dtype: str, weight: torch.Tensor) -> ArgmaxHead:
+    linear = Int8PanelLinear() if dtype == "int8" else pick_linear(torch.device("cpu"), torch.bfloat16)
+    if type(linear) not in (Int8PanelLinear, Bf16PanelLinear) or not linear.runs_here():
+        pytest.skip(f"{dtype}: no panel GEMM on this CPU")
+    head = ArgmaxHead(linear, linear.prepare(weight), weight.shape[1])
+    assert head.runs_here()
+    return head
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+@pytest.mark.parametrize("n,k", [(1000, 150), (4099, 64), (48, 7), (49152, 96)])
+def test_argmax_head_gives_the_full_heads_argmax(dtype, n, k):
+    """Every row count of the GEMM's tiles, barred ids (a row's best, then its two best), an exact
+    tie (the first index wins), a row of NaN (the full logits' argmax: 0) and every id barred."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    w[n // 2] = w[n // 3]  # equal rows: equal logits, the earlier index wins
+    head = argmax_head(dtype, w)
+    for m in [1, 2, 3, 4, 5, 8, 16, 17, 33, 64]:
+        x = torch.randn(m, k, generator=g) * 2
+        x[0] = (w[n // 3] * 4).bfloat16().float()  # row 0's best is the tie
+        full = head.linear(x, head.packed)
+        top = full.topk(3, dim=-1).indices.tolist()
+        banned = [top[r][:r % 3] for r in range(m)]
+        assert head(x) == full.argmax(-1).tolist(), m
+        assert head(x)[0] == n // 3
+        for row, ids in enumerate(banned):
+            full[row, ids] = float("-inf")
+        assert head(x, banned) == full.argmax(-1).tolist(), m
+    x = torch.randn(3, k, generator=g)
+    x[1, 0] = float("nan")
+    assert head(x, [[], [], list(range(n))]) == [head.linear(x[:1], head.packed).argmax().item(), 0, 0]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_sampler_takes_the_argmax_head_for_greedy_rows(dtype):
+    """A batch of greedy and sampled rows: the greedy rows' tokens from the argmax head, in one call
+    over those rows only, equal to the full logits' argmax; the sampled row from the logits."""
+    from backends.request import Request, SamplingParams
+    from backends.sampler import sample
+
+    g = torch.Generator().manual_seed(4)
+    head = argmax_head(dtype, torch.randn(300, 24, generator=g))
+    calls = []
+
+    class Model:
+        def logits(self, h):
+            calls.append(("logits", h.shape[0]))
+            return head.linear(h, head.packed)
+
+        def greedy(self, h, banned=None):
+            calls.append(("greedy", h.shape[0]))
+            return head(h, banned)
+
+    x = torch.randn(3, 24, generator=g)
+    greedy, sampled = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    reqs = [Request(f"r{i}", [1, 2], p, None, None) for i, p in enumerate([greedy, sampled, greedy])]
+    tokens, _ = sample(Model(), x, reqs, [[], [], []], with_logprobs=False)
+    full = head.linear(x, head.packed).argmax(-1).tolist()
+    assert calls == [("greedy", 2), ("logits", 1)] and tokens[0] == full[0] and tokens[2] == full[2]
+    calls.clear()
+    assert sample(Model(), x, [reqs[0]] * 3, [[], [], []], with_logprobs=False)[0] == full
+    assert calls == [("greedy", 3)]
 
 
 @pytest.mark.gpu

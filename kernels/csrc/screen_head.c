@@ -23,6 +23,9 @@
  * terms rounded up, inflated by 2^-18, plus 2^-20 |s_j| for the comparisons' own rounding.
  * With lo/hi_j = s_j -/+ bound_j and LB = max_j lo_j, the exact argmax j* has hi_j* >= LB, and
  * every j with hi_j < LB is below it: the candidates {j : hi_j >= LB} hold j* and its ties.
+ *
+ * head_argmax, at the end, is the greedy token of heads with no such screen: the full logits and
+ * their argmax in one call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -218,5 +221,52 @@ int screen_head_logits(const float *x, int64_t ldx, const void *w, int64_t layou
 #pragma omp parallel for schedule(static) if (m_dim * n_ids * k_dim >= 65536)
     for (int64_t i = 0; i < m_dim * n_ids; i++)
         out[i] = exact_logit(x + (i / n_ids) * ldx, w, (int)layout, ids[i % n_ids], k_dim);
+    return 0;
+}
+
+/* Row m's argmax as torch's and numpy's: the first index of the largest value, the first NaN where
+ * there is one; barred ids are -inf first (every id barred: 0, as the full logits give). */
+static int64_t argmax_row(float *s, int64_t n_dim, const int64_t *banned, int64_t nb)
+{
+    for (int64_t i = 0; i < nb; i++)
+        if (banned[i] >= 0 && banned[i] < n_dim)
+            s[banned[i]] = -INFINITY;
+    float best = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t j = 0; j < n_dim; j++) {
+        best = s[j] > best ? s[j] : best;
+        nan |= s[j] != s[j];
+    }
+    /* the first hit, a block of 256 at a time (a loop that stops at its hit is not vectorized) */
+    for (int64_t j0 = 0; j0 < n_dim; j0 += 256) {
+        const int64_t j1 = n_dim - j0 < 256 ? n_dim : j0 + 256;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t j = j0; j < j1; j++)
+            hit |= nan ? s[j] != s[j] : s[j] == best;
+        if (hit)
+            for (int64_t j = j0;; j++)
+                if (nan ? s[j] != s[j] : s[j] == best)
+                    return j;
+    }
+    return 0;
+}
+
+/* The greedy token of each row of x [M, K] from the full head's logits, for heads with no screen of
+ * half their bytes (int8, kind 2) or where the screen's bound does not hold (bf16, kind 1, on
+ * AVX-512 BF16): the logits and their argmax in one call, so a step's token costs no tensor
+ * operations around the GEMM. w: the panel GEMM's packing; banned, offsets, s, xb, tokens as
+ * screen_head's. Returns 0, or -2 (no such GEMM in this build). */
+int head_argmax(const float *x, int64_t ldx, const void *w, int64_t kind, int64_t m_dim, int64_t n_dim,
+                int64_t k_dim, const int64_t *banned, const int64_t *offsets, float *s, uint32_t *xb, int64_t *tokens)
+{
+    const int rc = kind == 2 ? panel_gemm_i8(x, ldx, (const int8_t *)w, m_dim, n_dim, k_dim, s, xb)
+                 : kind == 1 ? panel_gemm_bf16(x, ldx, (const uint16_t *)w, m_dim, n_dim, k_dim, s, xb) : -1;
+    if (rc != 0)
+        return -2;
+#pragma omp parallel for schedule(static) if (m_dim > 1)
+    for (int64_t m = 0; m < m_dim; m++)
+        tokens[m] = argmax_row(s + m * n_dim, n_dim, banned + offsets[m], offsets[m + 1] - offsets[m]);
     return 0;
 }
