@@ -87,6 +87,11 @@ class SamplingParams:
     def penalised(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, no logprobs, no penalties: the greedy head's token is the whole answer."""
+        return self.greedy and self.logprobs is None and not self.penalised
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

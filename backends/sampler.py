@@ -40,6 +40,10 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[li
     `greedy(rows, banned)` and `logits_at(rows, ids)` (None where it cannot). Returns token
     ids and, where a row's request asks for them (or `with_logprobs`, every row: a hand-off
     carries them), their logprobs (None for the other rows; None in all when none asks)."""
+    if not with_logprobs and all(req.params.plain_greedy for req in requests):  # the common step
+        tokens = model.greedy(hidden, banned)
+        if tokens is not None:
+            return tokens, None
     heads = [row for row, req in enumerate(requests) if not needs_logits(req, with_logprobs)]
     by_row = _greedy_rows(model, hidden, requests, banned, heads) if heads else {}
     rest = [row for row in range(len(requests)) if row not in by_row]
@@ -66,7 +70,7 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[li
 def take(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """hidden[rows], without a copy where rows are all of them in order (the common step: an
     index op after a step's weight stream costs 0.1 ms of cold caches here, docs/cpu.md)."""
-    return hidden if rows == list(range(len(hidden))) else hidden[rows]
+    return hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
 
 
 def _greedy_rows(model, hidden: torch.Tensor, requests: list[Request], banned: list[list[int]],

@@ -40,7 +40,7 @@ from backends.kv_cache import Fence, Match
 from backends.request import Request, RequestOutput, Status, TokenLogprob
 from backends.role import ColocatedRole, KeepPages, Role
 from backends.runner import Batch, ModelRunner, StepInputs
-from backends.sampler import RowsFailed, needs_logits, sample
+from backends.sampler import RowsFailed, sample
 from kernels.greedy_head import DeviceGreedyHead, PendingTokens
 
 log = logging.getLogger("tandem.scheduler")
@@ -274,7 +274,7 @@ class Scheduler:
         the host must know before the next step samples), so the next step takes these tokens
         where they are computed and no step waits for the host between two forwards."""
         return self.overlap and self.dp is None and not self.role.carries_logprobs and \
-            all(not needs_logits(req, False) and not req.params.penalised for req in batch.samples)
+            all(req.params.plain_greedy for req in batch.samples)
 
     def _launch_greedy(self, hidden: torch.Tensor, samples: list[Request], banned: list[list[int]]) -> PendingTokens:
         head = self.runner.model.greedy_head
