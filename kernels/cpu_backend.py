@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import cbuild, layer_ops
@@ -50,13 +51,16 @@ class CpuAttention(TorchAttention):
         self._ops = CpuOps()
 
     def plan(self, meta: AttentionMetadata) -> RowPlan:
+        """The arrays through numpy: each torch call cost 5-20x its warm time right after a step's
+        weights went through the caches, numpy's a few microseconds (docs/cpu.md, session 39)."""
         seqs, lens = [], []
         for i, (q_len, kv_len) in enumerate(zip(meta.q_lens, meta.kv_lens)):
             seqs += [i] * q_len
             lens += range(kv_len - q_len + 1, kv_len + 1)
         width = -(-max(meta.kv_lens, default=1) // meta.page_size)
-        return RowPlan(meta, meta.page_table[:, :width].to(torch.int64).contiguous(),
-                       torch.tensor(seqs, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64))
+        pages = meta.page_table.numpy()[:, :width].astype(np.int64)  # a copy: contiguous int64
+        return RowPlan(meta, torch.from_numpy(pages), torch.from_numpy(np.array(seqs, dtype=np.int64)),
+                       torch.from_numpy(np.array(lens, dtype=np.int64)))
 
     def store_kv(self, k, v, k_cache, v_cache, plan: RowPlan) -> None:
         """One copy per token into its slot (two index_copy_ calls were 0.5 ms of a 26 ms step)."""
