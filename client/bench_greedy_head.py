@@ -2,8 +2,9 @@
 64 rows of random hidden states, full logits + argmax against the greedy head that runs on this
 CPU: on one with AVX-512 BF16 the fp32 head's bf16 screen (kernels.greedy_head.GreedyHead) on
 vdpbf16ps and on the AMX tiles (where it has them); elsewhere (AVX2) ScreenedHead for an fp32
-head and for a bf16 one. Medians of 30, each call after 512 MB of other reads, as a decode
-step's layers leave the caches."""
+head and for a bf16 one; and ArgmaxHead (the full logits' argmax in one call) for an int8 head, and
+for a bf16 one where no screen holds. Medians of 30, each call after 512 MB of other reads, as a
+decode step's layers leave the caches."""
 from __future__ import annotations
 
 import statistics
@@ -14,20 +15,23 @@ import torch
 
 from backends.model import load_weights
 from backends.prepare_model import DEFAULT_DIR
-from kernels.greedy_head import GreedyHead, ScreenedHead, pick_greedy_head
-from kernels.linear import Bf16PanelLinear, PanelLinear
+from kernels.greedy_head import ArgmaxHead, GreedyHead, ScreenedHead, pick_greedy_head
+from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear
 
 
 def heads(weight: torch.Tensor) -> list[tuple[str, object, object, dict]]:
     """(label, full linear, its packed head, {name: greedy head}) for each head this CPU screens."""
     out = []
-    for label, linear in (("fp32 head", PanelLinear()), ("bf16 head", Bf16PanelLinear())):
+    for label, linear in (("fp32 head", PanelLinear()), ("bf16 head", Bf16PanelLinear()),
+                          ("int8 head", Int8PanelLinear())):
         packed = linear.prepare(weight)
         head = pick_greedy_head(linear, weight, packed, tied=True)
         if isinstance(head, GreedyHead):
             named = {"vdpbf16ps": GreedyHead(weight, packed, amx=False)} | ({"amx": head} if head.amx else {})
         elif isinstance(head, ScreenedHead):
             named = {"screened": head}
+        elif isinstance(head, ArgmaxHead):
+            named = {"one call": head}
         else:
             continue
         out.append((label, linear, packed, named))
