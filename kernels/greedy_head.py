@@ -177,7 +177,7 @@ class ScreenedHead:
         if hidden.dtype != torch.float32 or hidden.stride(-1) != 1:
             hidden = hidden.float().contiguous()
         flat, offsets = barred(banned, m)
-        scores, rows = self._scratch(m)
+        scores, rows = _kept_scratch(self, m)
         tokens = np.empty(m, dtype=np.int64)
         count = ctypes.c_int64(0)
         rc = self._screen(hidden.data_ptr(), hidden.stride(0), self.screen.panels.data_ptr(), self.kind,
@@ -186,9 +186,6 @@ class ScreenedHead:
                           tokens.ctypes.data, ctypes.byref(count))
         self.candidates += count.value
         return tokens.tolist() if rc == 0 else None
-
-    def _scratch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _kept_scratch(self, m)
 
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """[M, len(ids)] fp32: each row's logits at ids, bit for bit those of the full head."""
@@ -218,8 +215,7 @@ class ScreenedHead:
 
 
 def _kept_scratch(head, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A head's logits [m, N] and its GEMM's row scratch, kept for the next step (a new 196 KB
-    buffer a step is an mmap and an munmap)."""
+    """A head's logits [m, N] and its GEMM's row scratch, kept for the next step."""
     if head._scores is None or head._scores.shape[0] < m:
         head._scores = torch.empty(m, head.n, dtype=torch.float32)
         head._rows = torch.empty(scratch_words(m, head.k), dtype=torch.int32)
