@@ -44,7 +44,9 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[li
         tokens = model.greedy(hidden, banned)
         if tokens is not None:
             return tokens, None
-    heads = [row for row, req in enumerate(requests) if not needs_logits(req, with_logprobs)]
+        heads = []  # the head cannot answer some row: the full logits for all, not the head again
+    else:
+        heads = [row for row, req in enumerate(requests) if not needs_logits(req, with_logprobs)]
     by_row = _greedy_rows(model, hidden, requests, banned, heads) if heads else {}
     rest = [row for row in range(len(requests)) if row not in by_row]
     if not rest:

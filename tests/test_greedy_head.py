@@ -252,6 +252,28 @@ def test_sampler_takes_the_argmax_head_for_greedy_rows(dtype):
     assert calls == [("greedy", 3)]
 
 
+def test_sampler_takes_the_full_logits_once_where_the_head_cannot_answer():
+    """A step of plain greedy rows asks the head once; where it cannot answer (a row not finite,
+    too many candidates) every row takes the full logits, barred ids included, not the head again."""
+    from backends.request import Request, SamplingParams
+    from backends.sampler import sample
+
+    calls, full = [], torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+
+    class Model:
+        def greedy(self, h, banned=None):
+            calls.append("greedy")
+            return None
+
+        def logits(self, h):
+            calls.append("logits")
+            return full[:h.shape[0]].clone()
+
+    reqs = [Request(f"r{i}", [1], SamplingParams(max_tokens=4), None, None) for i in range(2)]
+    assert sample(Model(), torch.zeros(2, 4), reqs, [[1], []], with_logprobs=False) == ([2, 0], None)
+    assert calls == ["greedy", "logits"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_head_matches_fp32_argmax_with_barred_tokens():
