@@ -92,8 +92,8 @@ class CpuDecoder:
         (a backends.model.LayerHook); returns the final norm of out_rows [n, hidden], the lm_head's
         input. cos_table, sin_table [positions, D]: the model's rope tables."""
         # the kernel reads int64 arrays in place (no copy, nor a torch call, where they already are)
-        ids, positions, out_rows = (t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-                                    for t in (ids, positions, out_rows))
+        ids, positions, out_rows = (t if t.dtype == torch.int64 and t.is_contiguous()
+                                    else t.to(torch.int64).contiguous() for t in (ids, positions, out_rows))
         rows, n = ids.shape[0], self.cfg.num_layers
         out = torch.empty((out_rows.shape[0], self.cfg.hidden_size), dtype=torch.float32)
         if rows == 0:

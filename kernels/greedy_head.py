@@ -173,15 +173,10 @@ class ScreenedHead:
         """Greedy token of each row of hidden [M, K] fp32, row m never one of banned[m]; None where
         the full logits must decide (a row that is not finite, all of it barred, or too many
         candidates)."""
-        m = hidden.shape[0]
-        if hidden.dtype != torch.float32 or hidden.stride(-1) != 1:
-            hidden = hidden.float().contiguous()
-        flat, offsets = barred(banned, m)
-        scores, rows = _kept_scratch(self, m)
-        tokens = np.empty(m, dtype=np.int64)
+        hidden, flat, offsets, scores, rows, tokens = _head_inputs(self, hidden, banned)
         count = ctypes.c_int64(0)
         rc = self._screen(hidden.data_ptr(), hidden.stride(0), self.screen.panels.data_ptr(), self.kind,
-                          self.norms.data_ptr(), m, self.n, self.k, self.weights.data_ptr(), self.layout,
+                          self.norms.data_ptr(), len(tokens), self.n, self.k, self.weights.data_ptr(), self.layout,
                           flat.ctypes.data, offsets.ctypes.data, scores.data_ptr(), rows.data_ptr(),
                           tokens.ctypes.data, ctypes.byref(count))
         self.candidates += count.value
@@ -214,12 +209,17 @@ class ScreenedHead:
         return tokens is None or tokens == full[:2].argmax(-1).tolist()
 
 
-def _kept_scratch(head, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A head's logits [m, N] and its GEMM's row scratch, kept for the next step."""
+def _head_inputs(head, hidden: torch.Tensor, banned: list[list[int]] | None) -> tuple:
+    """What screen_head and head_argmax take for hidden [M, K]: its rows as contiguous fp32, the
+    rows' barred ids (`barred`), the head's logits [M, N] and GEMM row scratch (kept for the next
+    step) and an empty tokens array [M]."""
+    m = hidden.shape[0]
+    if hidden.dtype != torch.float32 or hidden.stride(-1) != 1:
+        hidden = hidden.float().contiguous()
     if head._scores is None or head._scores.shape[0] < m:
         head._scores = torch.empty(m, head.n, dtype=torch.float32)
         head._rows = torch.empty(scratch_words(m, head.k), dtype=torch.int32)
-    return head._scores, head._rows
+    return hidden, *barred(banned, m), head._scores, head._rows, np.empty(m, dtype=np.int64)
 
 
 class ArgmaxHead:
@@ -241,14 +241,9 @@ class ArgmaxHead:
     def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
         """Greedy token of each row of hidden [M, K], row m never one of banned[m] (every id barred:
         0, as argmax of the full logits); None where this build has no such GEMM."""
-        m = hidden.shape[0]
-        if hidden.dtype != torch.float32 or hidden.stride(-1) != 1:
-            hidden = hidden.float().contiguous()
-        flat, offsets = barred(banned, m)
-        scores, rows = _kept_scratch(self, m)
-        tokens = np.empty(m, dtype=np.int64)
-        rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.packed.panels.data_ptr(), self.kind, m, self.n,
-                          self.k, flat.ctypes.data, offsets.ctypes.data, scores.data_ptr(), rows.data_ptr(),
+        hidden, flat, offsets, scores, rows, tokens = _head_inputs(self, hidden, banned)
+        rc = self._kernel(hidden.data_ptr(), hidden.stride(0), self.packed.panels.data_ptr(), self.kind, len(tokens),
+                          self.n, self.k, flat.ctypes.data, offsets.ctypes.data, scores.data_ptr(), rows.data_ptr(),
                           tokens.ctypes.data)
         return tokens.tolist() if rc == 0 else None
 
