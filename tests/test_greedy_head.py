@@ -2,7 +2,8 @@
 index on ties), barred tokens excluded, on shapes that exercise the padding (N not a multiple of
 16 or 48, odd K) and the row tiles (1..64 rows): GreedyHead (an fp32 head's bf16 screen, AVX-512
 BF16) on vdpbf16ps and on the AMX tiles, and ScreenedHead (AVX2: an fp32 head's bf16 screen, a
-bf16 head's int8 one), its exact logits read from the head's rows (tied) or its panels."""
+bf16 head's int8 one), its exact logits read from the head's rows (tied) or its panels; and
+ArgmaxHead (an int8 head, or a bf16 one where no screen holds: the full logits' argmax in one call)."""
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ CPU_FLAGS = cpu_flags()
 HAS_BF16 = "avx512_bf16" in CPU_FLAGS
 HAS_AMX = "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
 KINDS = ["vdpbf16ps", "amx", "screened-fp32", "screened-fp32-panels", "screened-bf16", "screened-bf16-panels"]
+ARGMAX_KINDS = ["argmax-int8", "argmax-bf16"]  # no screen: the tests of screens do not apply
 
 
 class Kind:
@@ -27,6 +29,11 @@ class Kind:
                 pytest.skip(f"{name}: needs a CPU with AVX-512 BF16" + (" and AMX" if name == "amx" else ""))
             self.linear = pick_linear(torch.device("cpu"), torch.float32)
             assert isinstance(self.linear, PanelLinear)  # an AVX-512 BF16 CPU has AVX-512: the panel GEMM
+        elif name in ARGMAX_KINDS:
+            cpu = torch.device("cpu")
+            self.linear = Int8PanelLinear() if name == "argmax-int8" else pick_linear(cpu, torch.bfloat16)
+            if type(self.linear) not in (Int8PanelLinear, Bf16PanelLinear) or not self.linear.runs_here():
+                pytest.skip(f"{name}: no panel GEMM on this CPU")
         else:
             self.linear = pick_linear(torch.device("cpu"), torch.bfloat16 if "bf16" in name else torch.float32)
             if type(self.linear) not in (PanelLinear, Bf16PanelLinear):
@@ -37,6 +44,10 @@ class Kind:
         if self.name in ("vdpbf16ps", "amx"):
             head = GreedyHead(weight, packed, amx=self.name == "amx")
             assert head.runs_here()  # this CPU can run it: the tests must not pass by skipping it
+            return head
+        if self.name in ARGMAX_KINDS:
+            head = ArgmaxHead(self.linear, packed, weight.shape[1])
+            assert head.runs_here()
             return head
         head = ScreenedHead(self.linear, weight, packed, tied=not self.name.endswith("panels"))
         if not head.runs_here():
@@ -153,9 +164,16 @@ def test_the_engine_picks_the_screened_head_for_fp32_and_bf16_heads_the_argmax_h
     assert isinstance(pick_greedy_head(int8, w, int8.prepare(w), tied=True), ArgmaxHead)  # no screen halves its bytes
 
 
-def test_sampler_uses_it_only_where_no_logits_are_needed(kind):
+@pytest.fixture(params=KINDS + ARGMAX_KINDS)
+def any_kind(request):
+    return Kind(request.param)
+
+
+def test_sampler_uses_it_only_where_no_logits_are_needed(any_kind):
     """Greedy rows without logprobs take the head; sampled rows and logprob requests the logits;
-    a mixed batch gives each row the token the full logits give."""
+    a mixed batch gives each row the token the full logits give; a batch of greedy rows is one
+    call of the head over all of them."""
+    kind = any_kind
     from backends.request import Request, SamplingParams
     from backends.sampler import sample
 
@@ -185,26 +203,20 @@ def test_sampler_uses_it_only_where_no_logits_are_needed(kind):
     model.calls.clear()
     tokens2, logprobs = sample(model, x[:1], reqs[:1], [[]], with_logprobs=True)
     assert model.calls == [("logits", 1)] and len(logprobs) == 1 and tokens2 == tokens[:1]
+    model.calls.clear()
+    assert sample(model, x, [reqs[0]] * 3, [[], [], []], with_logprobs=False)[0] == full.argmax(-1).tolist()
+    assert model.calls == [("greedy", 3)]
 
 
-def argmax_head(dtype: str, weight: torch.Tensor) -> ArgmaxHead:
-    linear = Int8PanelLinear() if dtype == "int8" else pick_linear(torch.device("cpu"), torch.bfloat16)
-    if type(linear) not in (Int8PanelLinear, Bf16PanelLinear) or not linear.runs_here():
-        pytest.skip(f"{dtype}: no panel GEMM on this CPU")
-    head = ArgmaxHead(linear, linear.prepare(weight), weight.shape[1])
-    assert head.runs_here()
-    return head
-
-
-@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+@pytest.mark.parametrize("name", ARGMAX_KINDS)
 @pytest.mark.parametrize("n,k", [(1000, 150), (4099, 64), (48, 7), (49152, 96)])
-def test_argmax_head_gives_the_full_heads_argmax(dtype, n, k):
+def test_argmax_head_gives_the_full_heads_argmax(name, n, k):
     """Every row count of the GEMM's tiles, barred ids (a row's best, then its two best), an exact
     tie (the first index wins), a row of NaN (the full logits' argmax: 0) and every id barred."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g)
     w[n // 2] = w[n // 3]  # equal rows: equal logits, the earlier index wins
-    head = argmax_head(dtype, w)
+    head = Kind(name).make(w)
     for m in [1, 2, 3, 4, 5, 8, 16, 17, 33, 64]:
         x = torch.randn(m, k, generator=g) * 2
         x[0] = (w[n // 3] * 4).bfloat16().float()  # row 0's best is the tie
@@ -219,37 +231,6 @@ def test_argmax_head_gives_the_full_heads_argmax(dtype, n, k):
     x = torch.randn(3, k, generator=g)
     x[1, 0] = float("nan")
     assert head(x, [[], [], list(range(n))]) == [head.linear(x[:1], head.packed).argmax().item(), 0, 0]
-
-
-@pytest.mark.parametrize("dtype", ["int8", "bf16"])
-def test_sampler_takes_the_argmax_head_for_greedy_rows(dtype):
-    """A batch of greedy and sampled rows: the greedy rows' tokens from the argmax head, in one call
-    over those rows only, equal to the full logits' argmax; the sampled row from the logits."""
-    from backends.request import Request, SamplingParams
-    from backends.sampler import sample
-
-    g = torch.Generator().manual_seed(4)
-    head = argmax_head(dtype, torch.randn(300, 24, generator=g))
-    calls = []
-
-    class Model:
-        def logits(self, h):
-            calls.append(("logits", h.shape[0]))
-            return head.linear(h, head.packed)
-
-        def greedy(self, h, banned=None):
-            calls.append(("greedy", h.shape[0]))
-            return head(h, banned)
-
-    x = torch.randn(3, 24, generator=g)
-    greedy, sampled = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=5)
-    reqs = [Request(f"r{i}", [1, 2], p, None, None) for i, p in enumerate([greedy, sampled, greedy])]
-    tokens, _ = sample(Model(), x, reqs, [[], [], []], with_logprobs=False)
-    full = head.linear(x, head.packed).argmax(-1).tolist()
-    assert calls == [("greedy", 2), ("logits", 1)] and tokens[0] == full[0] and tokens[2] == full[2]
-    calls.clear()
-    assert sample(Model(), x, [reqs[0]] * 3, [[], [], []], with_logprobs=False)[0] == full
-    assert calls == [("greedy", 3)]
 
 
 def test_sampler_takes_the_full_logits_once_where_the_head_cannot_answer():
