@@ -12,8 +12,10 @@ that context (splits past a shorter context are empty and cost a program each).
 A decode step of B <= bucket requests fills the bucket's layout on the host with
 bucket - B padding decodes after its own (one cached position, the table's row of zeros,
 so they read page 0; slot -1, so they write no KV; their output rows are dropped), copies
-it in with one copy, writes the page-table entries that changed and replays. Prefill and mixed steps, batches above the largest bucket
-and steps with DP collectives run eagerly. Only the Triton attention backend runs in a
+it in with one copy, writes the page-table entries that changed and replays. The graph runs
+the lm_head and its argmax too: a step's logits and greedy tokens come out of the replay
+(`GraphHead`), with no launch after it. Prefill and mixed steps, batches above the largest
+bucket and steps with DP collectives run eagerly. Only the Triton attention backend runs in a
 graph: the others plan on the host per batch.
 """
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 
 from kernels.host_pack import IntPack
 
-CAPTURE = Callable[[int], tuple[IntPack, Callable[[dict[str, torch.Tensor]], torch.Tensor]]]
+# a graph's forward: its inputs' views -> (hidden [bucket, H], logits [bucket, V], their argmax [bucket])
+FORWARD = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+CAPTURE = Callable[[int], tuple[IntPack, FORWARD]]
 
 
 def graphs_enabled(setting: str, device_type: str, backend: str, role: str) -> bool:
@@ -56,8 +60,17 @@ class Captured:
     graph: "torch.cuda.CUDAGraph"
     static: torch.Tensor           # the inputs' device buffer [nbytes] uint8
     ids: torch.Tensor              # its token-id view (a step's late tokens are written there)
-    out: torch.Tensor              # the forward's output [bucket, hidden], rewritten by every replay
+    out: tuple[torch.Tensor, ...]  # the forward's outputs (FORWARD), rewritten by every replay
     layout: list[tuple[str, int, int]]
+
+
+@dataclass
+class GraphHead:
+    """A graph step's lm_head outputs. `logits` [rows, V] in the model's dtype are the graph's
+    memory, rewritten by its next replay: they are read (or barred in place) within the step.
+    `tokens` [rows], their argmax, are the step's own (a later step may feed on them)."""
+    logits: torch.Tensor
+    tokens: torch.Tensor
 
 
 class DecodeGraphs:
@@ -93,11 +106,12 @@ class DecodeGraphs:
         return pack.host()
 
     def replay(self, bucket: int, host: torch.Tensor, rows: int,
-               before: Callable[[torch.Tensor], None]) -> torch.Tensor:
+               before: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, GraphHead]:
         """One copy of the step's inputs into the graph's buffer, before(ids) (the tokens known
-        only now), the replay; the first `rows` output rows, copied out of the graph's memory."""
+        only now), the replay; the first `rows` rows of the hidden states (a copy) and the head's."""
         c = self.captured[bucket]
         c.static.copy_(host, non_blocking=True)
         before(c.ids)
         c.graph.replay()
-        return c.out[:rows].clone()
+        hidden, logits, tokens = c.out
+        return hidden[:rows].clone(), GraphHead(logits[:rows], tokens[:rows].clone())

@@ -132,9 +132,13 @@ class LlamaModel:
                 hook.run(i)
         return ops.add_rms_norm(residual[logit_rows], h[logit_rows], self.norm, eps)
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] (forward's output) -> logits [n, V] in the activations' dtype."""
+        return self.linear(hidden, self.lm_head)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] (forward's output) -> fp32 logits [n, V]."""
-        return self.linear(hidden, self.lm_head).float()
+        return self.head_logits(hidden).float()
 
     def greedy(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
         """argmax of `logits(hidden)` per row, row i never one of banned[i], exactly, without all

@@ -13,7 +13,7 @@ import torch
 
 from backends.config import EngineConfig, dtype_name
 from backends.cores import CoreTurns
-from backends.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_enabled
+from backends.cuda_graphs import DecodeGraphs, GraphHead, bucket_sizes, graphs_enabled
 from backends.kv_cache import KVManager, allocate_kv_buffer
 from backends.model import LayerHook, LlamaModel, load_model
 from backends.page_table import DevicePageTable
@@ -64,6 +64,7 @@ class StepInputs:
     fed: list[tuple[torch.Tensor, list[int], list[int]]] = field(default_factory=list)
     # a graph step's writes to the device page table (flat indices, pages): DevicePageTable.assign
     table_writes: tuple[list[int], list[int]] = ([], [])
+    head: GraphHead | None = None  # a graph step's logits and greedy tokens, once it has run
 
 
 def pack_inputs(pack: IntPack, ids: list[int], positions: list[int], rows: list[int], q_lens: list[int],
@@ -154,11 +155,13 @@ class ModelRunner:
         pack_inputs(pack, [], [], list(range(bucket)), [], [], [], self.cfg.page_size, pad=bucket,
                     table_rows=[self.page_rows.padding] * bucket)
 
-        def forward(views: dict[str, torch.Tensor]) -> torch.Tensor:
+        def forward(views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             views = {**views, "page_table": self.page_rows.gather(views["table_rows"])}
             meta = AttentionMetadata.from_pack([1] * bucket, [self.max_context] * bucket, self.cfg.page_size, views)
-            return self.model.forward(views["ids"], views["positions"], self.kv, self.attn, self.attn.plan(meta),
-                                      views["rows"])
+            hidden = self.model.forward(views["ids"], views["positions"], self.kv, self.attn, self.attn.plan(meta),
+                                        views["rows"])
+            logits = self.model.head_logits(hidden)
+            return hidden, logits, logits.argmax(dim=-1)
         return pack, forward
 
     @property
@@ -243,7 +246,8 @@ class ModelRunner:
 
     def run(self, batch: Batch, hook: LayerHook | None = None) -> torch.Tensor:
         """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
-        (`model.logits` / `model.greedy` turn it into tokens: backends.sampler)."""
+        (`model.logits` / `model.greedy` turn it into tokens: backends.sampler). A step that a
+        graph ran has its head's outputs too, in `StepInputs.head` (`forward`)."""
         return self.forward(self.prepare(batch), hook)
 
     def forward(self, step: StepInputs, hook: LayerHook | None = None) -> torch.Tensor:
@@ -256,7 +260,9 @@ class ModelRunner:
             except Exception:
                 self.page_rows.reset()
                 raise
-            return self.graphs.replay(step.graph, step.host, len(step.rows), lambda ids: self._resolve(step, ids))
+            hidden, step.head = self.graphs.replay(step.graph, step.host, len(step.rows),
+                                                   lambda ids: self._resolve(step, ids))
+            return hidden
         t = step.tensors
         self._resolve(step, t["ids"])
         return self.model.forward(t["ids"], t["positions"], self.kv, self.attn, step.plan, t["rows"], hook)

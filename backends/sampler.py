@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from backends.request import Request, TokenLogprob
-from kernels.greedy_head import ban
+from kernels.greedy_head import ban, launch_argmax
 
 
 class RowsFailed(RuntimeError):
@@ -67,6 +67,23 @@ def sample(model, hidden: torch.Tensor, requests: list[Request], banned: list[li
     if errors:
         raise RowsFailed(tokens, logprobs, errors)
     return tokens, logprobs
+
+
+class LogitsRows:
+    """`sample`'s model where a step's logits were computed already (a decode graph runs the
+    lm_head: backends.cuda_graphs): the rows it is given are those logits, in the model's dtype.
+    They are the step's scratch (the graph's next replay rewrites them), changed in place.
+    Greedy rows take their argmax (exact: the fp32 logits are their copies); penalised rows take
+    the full logits, as on a GPU's own head."""
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.float()
+
+    def greedy(self, rows: torch.Tensor, banned: list[list[int]]) -> list[int]:
+        return launch_argmax(rows, banned).wait()
+
+    def logits_at(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        return None
 
 
 def take(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

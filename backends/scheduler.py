@@ -36,12 +36,13 @@ import torch
 
 from backends import dllm
 from backends.config import EngineConfig
+from backends.cuda_graphs import GraphHead
 from backends.kv_cache import Fence, Match
 from backends.request import Request, RequestOutput, Status, TokenLogprob
 from backends.role import ColocatedRole, KeepPages, Role
 from backends.runner import Batch, ModelRunner, StepInputs
-from backends.sampler import RowsFailed, sample
-from kernels.greedy_head import DeviceGreedyHead, PendingTokens
+from backends.sampler import LogitsRows, RowsFailed, sample
+from kernels.greedy_head import DeviceGreedyHead, PendingTokens, launch_argmax
 
 log = logging.getLogger("tandem.scheduler")
 KEPT_STEPS = 4   # steps whose sampled tokens the forward thread keeps for later steps' futures
@@ -237,12 +238,14 @@ class Scheduler:
                 if self.dllm_block:  # every position of each block: the reveal is the loop's
                     return self.runner.model.logits(hidden), None, {}
                 if self._feeds_on_device(batch):
-                    pending = self._launch_greedy(hidden, batch.samples, banned)
+                    pending = self._launch_greedy(hidden, inputs.head, batch.samples, banned)
                     tokens, logprobs, errors = pending, None, {}
                 else:
+                    # a step that a graph ran has its logits: sample those, not the head again
+                    model, rows = (LogitsRows(), inputs.head.logits) if inputs.head is not None \
+                        else (self.runner.model, hidden)
                     try:
-                        tokens, logprobs = sample(self.runner.model, hidden, batch.samples, banned,
-                                                  self.role.carries_logprobs)
+                        tokens, logprobs = sample(model, rows, batch.samples, banned, self.role.carries_logprobs)
                         errors = {}
                     except RowsFailed as exc:  # one row's failure must not cost its neighbours their token
                         tokens, logprobs, errors = exc.tokens, exc.logprobs, exc.errors
@@ -276,7 +279,10 @@ class Scheduler:
         return self.overlap and self.dp is None and not self.role.carries_logprobs and \
             all(req.params.plain_greedy for req in batch.samples)
 
-    def _launch_greedy(self, hidden: torch.Tensor, samples: list[Request], banned: list[list[int]]) -> PendingTokens:
+    def _launch_greedy(self, hidden: torch.Tensor, graph_head: GraphHead | None, samples: list[Request],
+                       banned: list[list[int]]) -> PendingTokens:
+        if graph_head is not None:  # the graph took the logits' argmax already
+            return launch_argmax(graph_head.logits, banned, graph_head.tokens)
         head = self.runner.model.greedy_head
         if isinstance(head, DeviceGreedyHead):
             return head.launch(hidden, banned)

@@ -10,8 +10,8 @@ this run:
                ignore_eos; all of a level's requests submitted at once): output tok/s, TTFT p50,
                ITL p50, and beside the ITL the roofline step time ((weights read per step + KV
                read at the level's mean context) / the copy bandwidth) and ITL / roofline
-    graph      the level's decode CUDA graph replayed alone on a step recorded mid-level (the
-               engine's ceiling) and graph / ITL
+    graph      the level's decode CUDA graph (the forward, the lm_head and its argmax) replayed
+               alone on a step recorded mid-level (the engine's ceiling) and graph / ITL
     peer       transformers' continuous batching (`generate_batch`) on the same weights and
                levels: output tok/s, TTFT p50, ITL p50, and our tok/s over its
 

@@ -283,6 +283,24 @@ class PendingTokens:
         return (self.host if self.host is not None else self.device).tolist()
 
 
+def launch_argmax(logits: torch.Tensor, banned: list[list[int]] | None = None,
+                  argmax: torch.Tensor | None = None) -> PendingTokens:
+    """Each row's argmax of `logits` with its banned ids barred (in place), left pending: on a GPU
+    copied to the host on the stream, an event after it. argmax: `logits`' own argmax, taken
+    already (a decode graph's), used where no id is barred."""
+    if any(len(ids) for ids in banned or ()):
+        ban(logits, banned)
+        argmax = None
+    tokens = logits.argmax(dim=-1) if argmax is None else argmax
+    if not tokens.is_cuda:
+        return PendingTokens(tokens)
+    host = torch.empty(tokens.shape[0], dtype=torch.int64, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return PendingTokens(tokens, host, done)
+
+
 class DeviceGreedyHead:
     """Greedy tokens on a GPU. The argmax is taken over the logits in the model's dtype: the
     fp32 logits the sampler would take are their exact copies, so the token is the same, and
@@ -298,14 +316,7 @@ class DeviceGreedyHead:
 
     def launch(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> PendingTokens:
         """The tokens on the device and their copy to the host on its way; nothing waits."""
-        logits = self.linear(hidden, self.head)
-        ban(logits, banned)
-        tokens = logits.argmax(dim=-1)
-        host = torch.empty(hidden.shape[0], dtype=torch.int64, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return PendingTokens(tokens, host, done)
+        return launch_argmax(self.linear(hidden, self.head), banned)
 
     def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> None:
         """None: on a GPU the full logits cost little, and a matmul over a few ids need not

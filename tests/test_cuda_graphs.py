@@ -168,8 +168,9 @@ class Replay:
 
     def replay(self):
         self.count += 1
-        with torch.inference_mode():  # the forward's output is an inference tensor
-            self.out.copy_(self.forward(self.views))
+        with torch.inference_mode():  # the forward's outputs are inference tensors
+            for out, new in zip(self.out, self.forward(self.views)):
+                out.copy_(new)
 
 
 class EagerGraphs(DecodeGraphs):
@@ -248,6 +249,48 @@ def test_graph_steps_through_preemptions_and_reused_rows_stream_the_eager_engine
             engine.stop()
     (graphed, replays, preempted), (eager, _, _) = run(True), run(False)
     assert replays > 0 and preempted > 0 and graphed == eager
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_graph_step_samples_its_graphs_logits_and_runs_no_head_after_it(checkpoint, overlap):
+    """The lm_head and its argmax run inside the graph: after a replay the model's head is never
+    called, for plain greedy, min_tokens-barred, penalised, seeded and logprob rows alike, and
+    every row's tokens and logprobs are the eager engine's."""
+    path = checkpoint("llama")
+    batch = prompts(5, seed=5)
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, min_tokens=8),
+              SamplingParams(max_tokens=8, repetition_penalty=1.3),
+              SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7),
+              SamplingParams(max_tokens=8, logprobs=2)]
+
+    def run(graphs: bool, params):
+        engine = small_engine(path, attention_backend="triton", overlap=overlap)
+        runner, after_replay = engine.runner, []
+        if graphs:
+            runner.capture_graphs(EagerGraphs(bucket_sizes(engine.cfg.max_running_requests)))
+        forward, step_kind = runner.forward, ["forward"]  # while a forward runs, then "graph" / "eager"
+
+        def recording(step, *a):
+            step_kind[0] = "forward"
+            hidden = forward(step, *a)
+            step_kind[0] = "graph" if step.graph is not None else "eager"
+            return hidden
+        runner.forward = recording
+        for name in ("head_logits", "greedy", "logits_at"):  # the head after a forward (logits calls head_logits)
+            call = getattr(runner.model, name)
+            setattr(runner.model, name, lambda *a, call=call: (after_replay.append(step_kind[0]), call(*a))[1])
+        try:
+            out = collect(engine, batch[:len(params)], params, timeout_s=600)
+            assert_pool_whole(engine)
+            return out, engine.runner.graphs.replays() if graphs else 0, after_replay
+        finally:
+            engine.stop()
+    for rows in (params, params[:2]):  # mixed rows, then plain greedy ones (overlap on: fed on the device)
+        (graphed, replays, calls), (eager, _, _) = run(True, rows), run(False, rows)
+        assert replays > 0 and "eager" in calls and "graph" not in calls
+        assert [token_ids(o) for o in graphed] == [token_ids(o) for o in eager]
+        lp = lambda outs: [(t, round(v[0], 4), v[1]) for o in outs for e in o.logprobs or () for t, v in e.items()]
+        assert lp(graphed[-1]) == lp(eager[-1])
 
 
 # ---- warm-up and the parameter -------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from backends.request import Request, SamplingParams
-from backends.sampler import apply_penalties, argmax_rows, sample, sample_logits
+from backends.sampler import LogitsRows, apply_penalties, argmax_rows, sample, sample_logits
+from kernels.greedy_head import launch_argmax
 from tests.engine_utils import assert_pool_whole, collect, small_engine, token_ids
 from tests.test_model_parity import ARCHS, hf_model, prompts
 
@@ -276,6 +277,33 @@ def test_argmax_rows_is_torchs_argmax():
         x[3] = float("-inf")
         for rows in (x, x[:, ::2], x.T.contiguous().T):
             assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+
+
+def test_a_graphs_argmax_is_taken_only_where_no_id_is_barred():
+    """A decode graph's argmax (kernels.greedy_head.launch_argmax) stands for its logits' own only
+    while no row bars an id; a barred row's logits are barred and argmaxed again."""
+    logits = torch.tensor([[1.0, 5.0, 3.0], [4.0, 2.0, 4.0]])
+    given = torch.tensor([1, 0])
+    assert launch_argmax(logits.clone(), [[], []], given).device is given
+    assert launch_argmax(logits.clone(), [[1], []], given).wait() == [2, 0]
+    assert launch_argmax(logits.clone(), [[], [0]], given).wait() == [1, 2]
+    assert launch_argmax(logits.clone()).wait() == [1, 0]
+
+
+def test_sampling_a_graphs_logits_equals_sampling_the_heads():
+    """LogitsRows (a step whose graph ran the lm_head) gives what the model's head gives: greedy,
+    barred, penalised, seeded and with logprobs, in one step, then greedy rows alone."""
+    model = CountingModel()
+    hidden = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    params = [{}, dict(repetition_penalty=1.5), dict(temperature=0.7, seed=3), dict(logprobs=2)]
+    banned = [[int((hidden[0] @ model.w.T).argmax())], [], [], []]
+    for with_logprobs in (False, True):
+        requests = lambda: [_request([1, 2, 3], [4], **p) for p in params]
+        got = sample(LogitsRows(), model.logits(hidden), requests(), banned, with_logprobs)
+        assert got == sample(model, hidden, requests(), banned, with_logprobs)
+    greedy = lambda: [_request([1], []), _request([2], [])]
+    assert sample(LogitsRows(), model.logits(hidden[:2]), greedy(), banned[:2], False) == \
+        sample(model, hidden[:2], greedy(), banned[:2], False)
 
 
 class CountingModel:
