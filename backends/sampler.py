@@ -73,14 +73,17 @@ class LogitsRows:
     """`sample`'s model where a step's logits were computed already (a decode graph runs the
     lm_head: backends.cuda_graphs): the rows it is given are those logits, in the model's dtype.
     They are the step's scratch (the graph's next replay rewrites them), changed in place.
-    Greedy rows take their argmax (exact: the fp32 logits are their copies); penalised rows take
-    the full logits, as on a GPU's own head."""
+    Greedy rows take their argmax (exact: the fp32 logits are their copies), the graph's own
+    where they are all its rows; penalised rows take the full logits, as on a GPU's own head."""
+
+    def __init__(self, logits: torch.Tensor, argmax: torch.Tensor):
+        self.all, self.argmax = logits, argmax
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.float()
 
     def greedy(self, rows: torch.Tensor, banned: list[list[int]]) -> list[int]:
-        return launch_argmax(rows, banned).wait()
+        return launch_argmax(rows, banned, self.argmax if rows is self.all else None).wait()
 
     def logits_at(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         return None

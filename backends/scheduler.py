@@ -242,7 +242,8 @@ class Scheduler:
                     tokens, logprobs, errors = pending, None, {}
                 else:
                     # a step that a graph ran has its logits: sample those, not the head again
-                    model, rows = (LogitsRows(), inputs.head.logits) if inputs.head is not None \
+                    head = inputs.head
+                    model, rows = (LogitsRows(head.logits, head.tokens), head.logits) if head is not None \
                         else (self.runner.model, hidden)
                     try:
                         tokens, logprobs = sample(model, rows, batch.samples, banned, self.role.carries_logprobs)

@@ -299,11 +299,16 @@ def test_sampling_a_graphs_logits_equals_sampling_the_heads():
     banned = [[int((hidden[0] @ model.w.T).argmax())], [], [], []]
     for with_logprobs in (False, True):
         requests = lambda: [_request([1, 2, 3], [4], **p) for p in params]
-        got = sample(LogitsRows(), model.logits(hidden), requests(), banned, with_logprobs)
+        logits = model.logits(hidden)
+        got = sample(LogitsRows(logits, logits.argmax(-1)), logits, requests(), banned, with_logprobs)
         assert got == sample(model, hidden, requests(), banned, with_logprobs)
     greedy = lambda: [_request([1], []), _request([2], [])]
-    assert sample(LogitsRows(), model.logits(hidden[:2]), greedy(), banned[:2], False) == \
-        sample(model, hidden[:2], greedy(), banned[:2], False)
+    for barred in (banned[:2], [[], []]):  # the graph's argmax stands only where nothing is barred
+        logits = model.logits(hidden[:2])  # barred in place: a step's scratch
+        assert sample(LogitsRows(logits, logits.argmax(-1)), logits, greedy(), barred, False) == \
+            sample(model, hidden[:2], greedy(), barred, False)
+    marker = torch.tensor([7, 9])
+    assert sample(LogitsRows(logits, marker), logits, greedy(), [[], []], False)[0] == [7, 9]
 
 
 class CountingModel:
