@@ -108,10 +108,11 @@ class DecodeGraphs:
     def replay(self, bucket: int, host: torch.Tensor, rows: int,
                before: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, GraphHead]:
         """One copy of the step's inputs into the graph's buffer, before(ids) (the tokens known
-        only now), the replay; the first `rows` rows of the hidden states (a copy) and the head's."""
+        only now), the replay; the first `rows` rows of the hidden states and the head's. The
+        hidden rows, like the logits, are the graph's memory: read within the step."""
         c = self.captured[bucket]
         c.static.copy_(host, non_blocking=True)
         before(c.ids)
         c.graph.replay()
         hidden, logits, tokens = c.out
-        return hidden[:rows].clone(), GraphHead(logits[:rows], tokens[:rows].clone())
+        return hidden[:rows], GraphHead(logits[:rows], tokens[:rows].clone())
