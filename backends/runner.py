@@ -247,7 +247,8 @@ class ModelRunner:
     def run(self, batch: Batch, hook: LayerHook | None = None) -> torch.Tensor:
         """Forward of every item's new tokens; the lm_head's input [len(batch.samples), hidden]
         (`model.logits` / `model.greedy` turn it into tokens: backends.sampler). A step that a
-        graph ran has its head's outputs too, in `StepInputs.head` (`forward`)."""
+        graph ran has its head's outputs too, in `StepInputs.head` (`forward`); its hidden rows and
+        logits are the graph's memory, rewritten by the next replay."""
         return self.forward(self.prepare(batch), hook)
 
     def forward(self, step: StepInputs, hook: LayerHook | None = None) -> torch.Tensor:
