@@ -26,13 +26,13 @@
  * packed heads with it even where no GEMM below is built). */
 enum { PANEL = 48 };
 
-/* Panels a thread takes at a time in the forms that read a panel in 8-lane steps or widen it (the
- * AVX2 header's, and the bf16 and int8 forms of AVX-512 without its BF16). One or two rows: a
- * thread's share in one contiguous run, which the hardware prefetcher follows across panels (one
- * panel at a time, the two threads' panels interleaved, a 1-row step's int8 matmuls took 5.5 ms
- * against 4.8 on a 2-vCPU Zen 3, medians of six alternated runs; its int8 matmuls and lm_head
- * 9.3-9.5 against 8.3 on a 2-vCPU Cascade Lake, bf16 15.3-15.7 against 14.2; docs/cpu.md). More
- * rows: one panel at a time, their tiles are compute. */
+/* Panels a thread takes at a time in the bf16 and int8 forms (vdpbf16ps and int16 rows, the AVX2
+ * header's, AVX-512 without its BF16). One or two rows: a thread's share in one contiguous run,
+ * which the hardware prefetcher follows across panels (one panel at a time, the two threads'
+ * panels interleaved, a 1-row step's int8 matmuls took 5.5 ms against 4.8 on a 2-vCPU Zen 3,
+ * medians of six alternated runs; its int8 matmuls and lm_head 9.3-9.5 against 8.3 on a 2-vCPU
+ * Cascade Lake, bf16 15.3-15.7 against 14.2; on a 2-vCPU Zen 4, int8 7.07 against 6.10 ms and bf16
+ * 11.55 against 10.81; docs/cpu.md). More rows: one panel at a time, their tiles are compute. */
 static inline int64_t run_chunk(int64_t m_dim, int64_t panels)
 {
     const int64_t threads = omp_get_max_threads();
@@ -48,7 +48,10 @@ int panel_gemm_amx_ready(void) { return 0; }
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-enum { ROWS = 8, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
+/* KBLOCK_PAIRS: the k2 steps of a block in the vdpbf16ps and int16-row forms (24 KB of a bf16 panel,
+ * 12 KB of an int8 one); 128 against 64 on a 2-vCPU Zen 4, a step's matmuls at 16 / 32 / 128 rows:
+ * bf16 3 / 7 / 9 % faster, int8 7 / 8 / 14 % (docs/cpu.md, session 41). */
+enum { ROWS = 8, KBLOCK = 64, KBLOCK_PAIRS = 128, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
 /* Panels a thread takes at a time: one (see panel_gemm_f32). */
 static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
@@ -224,11 +227,12 @@ static void panel_pairs(const uint32_t *xb, const char *w, const uint16_t *scale
                         int64_t k2_dim, int64_t col, float *y)
 {
     const int64_t cols = n - col < PANEL ? n - col : PANEL;
-    const int64_t kblock = m_dim > ROWS ? KBLOCK : k2_dim;
+    const int64_t kblock = m_dim > ROWS ? KBLOCK_PAIRS : k2_dim;
     for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
         const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
         for (int64_t row = 0; row < m_dim; row += ROWS) {
-            const int64_t ahead = row == 0 ? 8 : kblock; /* in k2 steps, as panel() */
+            /* k2 steps: 6 KB, as panel_i16 (8, 1.5 KB: 4-8 % slower at 1-2 rows on a Zen 4) */
+            const int64_t ahead = row == 0 ? 32 : kblock;
             const uint32_t *xr = xb + row * k2_dim;
             float *yr = y + row * n + col;
             if (scale) {
@@ -337,7 +341,7 @@ static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const 
                       int64_t n, int64_t k2_dim, int64_t col, float *y)
 {
     const int64_t cols = n - col < PANEL ? n - col : PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
-    const int64_t kblock = m_dim > ROWS16 ? KBLOCK : k2_dim; /* KBLOCK: whole groups */
+    const int64_t kblock = m_dim > ROWS16 ? KBLOCK_PAIRS : k2_dim; /* whole groups */
     for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
         const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
         for (int64_t row = 0; row < m_dim; row += ROWS16) {
@@ -473,7 +477,7 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t
             rows_to_bf16(x, ldx, m_dim, pad_rows, k_dim, xb);
         if (tiles)
             amx_configure();
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, run_chunk(m_dim, panels))
         for (int64_t p = 0; p < panels; p++) {
             const char *panel_w = w + p * panel_bytes;
             const uint16_t *panel_scale = scale ? scale + p * groups * PANEL : NULL;
