@@ -143,16 +143,22 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+EXPORT_RERUNS = 2  # more runs of a level whose export perf_analyzer cut short (run_level)
+
+
 def run_level(t: Target, mode: str, level: float, w: Workload, seed: int, run_dir: str,
               progress: "Progress") -> dict:
     """One genai-perf run; returns its row for the table (with `error` set if it failed). Run
-    again once when genai-perf found perf_analyzer's export cut short: perf_analyzer 2.51 records
-    an output a response lacks (a logprob output nobody asked for) from memory it never wrote, a
-    float of it that reads as NaN stops its JSON writer, and it exits 0 with profile_export.json
-    empty or ending at a 64 KiB flush (1 run in ~20 here). Asking for the logprobs would avoid it
-    at the cost of computing them; a second run is a new measurement, and the row says so."""
+    again, up to EXPORT_RERUNS times, when genai-perf found perf_analyzer's export cut short:
+    perf_analyzer 2.51 records an output a response lacks (a logprob output nobody asked for) from
+    memory it never wrote, a float of it that reads as NaN stops its JSON writer, and it exits 0
+    with profile_export.json empty or ending at a 64 KiB flush (1 run in ~20 here; twice in a row
+    for 2 of some 40 levels on one day). Asking for the logprobs would avoid it at the cost of
+    computing them; a rerun is a new measurement, and the row says so."""
     row = _run_level_once(t, mode, level, w, seed, run_dir, progress)
-    if row["error"] and _export_cut_short(run_dir):
+    for _ in range(EXPORT_RERUNS):
+        if not (row["error"] and _export_cut_short(run_dir)):
+            break
         shutil.rmtree(run_dir)
         row = {**_run_level_once(t, mode, level, w, seed, run_dir, progress), "rerun": "export cut short"}
     return row

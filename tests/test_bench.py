@@ -190,25 +190,31 @@ def test_table_shows_steal_and_notes_a_stolen_level(tmp_path, capsys):
 
 def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):
     """perf_analyzer has written profile_export.json cut at a 64 KiB boundary and exited 0:
-    genai-perf then fails to parse it. That level runs once more, and says so; any other
-    failure does not."""
+    genai-perf then fails to parse it. That level runs again, up to EXPORT_RERUNS times, and
+    says so; any other failure does not."""
     from client import bench
-    calls = []
+    calls, cut_runs = [], {"cut": 1, "twice": 2, "always": 99, "other": 0}
 
     def once(t, mode, level, w, seed, run_dir, progress):
-        calls.append(run_dir)
+        name = os.path.basename(run_dir)
+        calls.append(name)
         os.makedirs(run_dir, exist_ok=True)
-        if len(calls) == 1 or "other" in run_dir:
+        if calls.count(name) <= cut_runs[name] or name == "other":
             with open(os.path.join(run_dir, "genai-perf.log"), "w") as f:
-                f.write("orjson.JSONDecodeError: unexpected end of data\n" if "other" not in run_dir else "refused\n")
+                f.write("orjson.JSONDecodeError: unexpected end of data\n" if name != "other" else "refused\n")
             return {"error": "genai-perf exited 1"}
         return {"error": None, "output_tok_s": 1.0}
 
     monkeypatch.setattr(bench, "_run_level_once", once)
-    row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "cut"), None)
-    assert row == {"error": None, "output_tok_s": 1.0, "rerun": "export cut short"} and len(calls) == 2
+    assert bench.EXPORT_RERUNS == 2
+    for name, runs in (("cut", 2), ("twice", 3)):
+        row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / name), None)
+        assert row == {"error": None, "output_tok_s": 1.0, "rerun": "export cut short"}
+        assert calls.count(name) == runs
+    row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "always"), None)
+    assert row["error"] and calls.count("always") == 3
     row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "other"), None)
-    assert row["error"] and "rerun" not in row and len(calls) == 3
+    assert row["error"] and "rerun" not in row and calls.count("other") == 1
 
 
 def test_engine_bench_wave_ends_on_a_failed_request():
