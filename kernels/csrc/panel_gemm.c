@@ -50,7 +50,7 @@ int panel_gemm_amx_ready(void) { return 0; }
 
 /* KBLOCK_PAIRS: the k2 steps of a block in the vdpbf16ps and int16-row forms (24 KB of a bf16 panel,
  * 12 KB of an int8 one); 128 against 64 on a 2-vCPU Zen 4, a step's matmuls at 16 / 32 / 128 rows:
- * bf16 3 / 7 / 9 % faster, int8 7 / 8 / 14 % (docs/cpu.md, session 41). */
+ * bf16 3 / 7 / 9 % faster, int8 7 / 8 / 14 % (docs/cpu.md, session 42). */
 enum { ROWS = 8, KBLOCK = 64, KBLOCK_PAIRS = 128, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
 /* Panels a thread takes at a time: one (see panel_gemm_f32). */
