@@ -2,8 +2,9 @@
 64 rows of random hidden states, full logits + argmax against the greedy head that runs on this
 CPU: on one with AVX-512 BF16 the fp32 head's bf16 screen (kernels.greedy_head.GreedyHead) on
 vdpbf16ps and on the AMX tiles (where it has them); elsewhere (AVX2) ScreenedHead for an fp32
-head and for a bf16 one; and ArgmaxHead (the full logits' argmax in one call) for an int8 head, and
-for a bf16 one where no screen holds. Medians of 30, each call after 512 MB of other reads, as a
+head and for a bf16 one; PairsScreenedHead for a bf16 head on AVX-512 BF16 (its int8 screen up to
+its MAX_ROWS, the full head past them); and ArgmaxHead (the full logits' argmax in one call) for an
+int8 head. Medians of 30, each call after 512 MB of other reads, as a
 decode step's layers leave the caches."""
 from __future__ import annotations
 

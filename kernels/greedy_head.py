@@ -5,9 +5,9 @@ tokens that can still win are computed again in fp32, the way the panel GEMM com
 them: the token is exactly argmax of the fp32 logits (first index on ties), for about
 half of the head's weight stream. Only for the panel GEMM's packing (fp32, AVX-512) on a
 CPU with AVX-512 BF16. The screen runs on the AMX tiles where the CPU has them, else on
-vdpbf16ps. Elsewhere ScreenedHead screens fp32 and bf16 heads the same way (csrc/screen_head.c),
-and ArgmaxHead gives an int8 head's token (or a bf16 one's where no screen holds) from its full
-logits in one C call. On a GPU `pick_greedy_head` gives `DeviceGreedyHead`.
+vdpbf16ps. Elsewhere ScreenedHead screens fp32 and bf16 heads the same way (csrc/screen_head.c);
+PairsScreenedHead screens a bf16 head on AVX-512 BF16 CPUs, for a step of few rows; and ArgmaxHead
+gives an int8 head's token (or a bf16 one's past those rows) from its full logits in one C call. On a GPU `pick_greedy_head` gives `DeviceGreedyHead`.
 """
 from __future__ import annotations
 
@@ -130,8 +130,12 @@ SCREEN_SIGNATURES = {
     "screen_head_logits": (_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr),
     "screen_head_ready": (),
     # x, ldx, weights (the head's packing), kind, M, N, K, banned, offsets, logits, rows' scratch, tokens
-    "head_argmax": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr)}
-ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16 = range(4)  # csrc/screen_head.c's layouts
+    "head_argmax": (_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr),
+    # x, ldx, screen, norms, M, N, K, bf16 panels, banned, offsets, scores, rounded rows, rows' scratch, tokens,
+    # candidates
+    "screen_head_pairs": (_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr),
+    "screen_head_pairs_ready": ()}
+ROWS_F32, ROWS_AS_BF16, PANELS_F32, PANELS_BF16, PANELS_BF16_PAIRS = range(5)  # csrc/screen_head.c's layouts
 
 
 class ScreenedHead:
@@ -146,7 +150,7 @@ class ScreenedHead:
     def __init__(self, linear, weight: torch.Tensor, packed: PackedWeight, tied: bool = False):
         from kernels import cbuild
 
-        lib = cbuild.load("screen_head", SCREEN_SIGNATURES)
+        self._lib = lib = cbuild.load("screen_head", SCREEN_SIGNATURES)
         self._screen, self._logits, self._ready = lib.screen_head, lib.screen_head_logits, lib.screen_head_ready
         self.linear, self.packed = linear, packed
         bf16 = isinstance(linear, Bf16PanelLinear)
@@ -209,6 +213,42 @@ class ScreenedHead:
         return tokens is None or tokens == full[:2].argmax(-1).tolist()
 
 
+class PairsScreenedHead(ScreenedHead):
+    """The greedy head of a bf16 head on AVX-512 BF16 CPUs, whose GEMM rounds the rows to bf16 and
+    sums k pairs on vdpbf16ps (no chain ScreenedHead's bound is for): the same int8 screen of the
+    head, read by rows already rounded to bf16, and the candidates computed again by that GEMM's own
+    chain (csrc/screen_head.c's screen_head_pairs), so the token is argmax of the full head's
+    logits. It reads about half the full head's bytes, which pays only while a step has few rows:
+    from MAX_ROWS + 1 rows, and where the GEMM would use the AMX tiles, ArgmaxHead gives the token."""
+
+    MAX_ROWS = 6  # the int8 screen's GEMM against the full bf16 head's, on a Zen 4 (docs/cpu.md)
+
+    def __init__(self, linear, weight: torch.Tensor, packed: PackedWeight):
+        super().__init__(linear, weight, packed)
+        self._pairs = self._lib.screen_head_pairs
+        self._ready = self._lib.screen_head_pairs_ready
+        self.weights, self.layout = packed.panels, PANELS_BF16_PAIRS
+        self.full = ArgmaxHead(linear, packed, self.k)
+        self._rounded = None
+
+    def __call__(self, hidden: torch.Tensor, banned: list[list[int]] | None = None) -> list[int] | None:
+        """As ScreenedHead's; more than MAX_ROWS rows go to the full head."""
+        if hidden.shape[0] > self.MAX_ROWS:
+            return self.full(hidden, banned)
+        hidden, flat, offsets, scores, rows, tokens = _head_inputs(self, hidden, banned)
+        if self._rounded is None or self._rounded.shape[0] < len(tokens):
+            self._rounded = torch.empty(self.MAX_ROWS, self.k, dtype=torch.float32)
+        count = ctypes.c_int64(0)
+        rc = self._pairs(hidden.data_ptr(), hidden.stride(0), self.screen.panels.data_ptr(), self.norms.data_ptr(),
+                         len(tokens), self.n, self.k, self.weights.data_ptr(), flat.ctypes.data, offsets.ctypes.data,
+                         scores.data_ptr(), self._rounded.data_ptr(), rows.data_ptr(), tokens.ctypes.data,
+                         ctypes.byref(count))
+        self.candidates += count.value
+        if rc == -3:
+            return self.full(hidden, banned)
+        return tokens.tolist() if rc == 0 else None
+
+
 def _head_inputs(head, hidden: torch.Tensor, banned: list[list[int]] | None) -> tuple:
     """What screen_head and head_argmax take for hidden [M, K]: its rows as contiguous fp32, the
     rows' barred ids (`barred`), the head's logits [M, N] and GEMM row scratch (kept for the next
@@ -224,7 +264,7 @@ def _head_inputs(head, hidden: torch.Tensor, banned: list[list[int]] | None) -> 
 
 class ArgmaxHead:
     """The greedy head of an int8 head (no screen reads fewer bytes than it) and of a bf16 head
-    where no screen's bound holds (AVX-512 BF16): the full head's logits, by the same panel GEMM,
+    past PairsScreenedHead's rows (AVX-512 BF16): the full head's logits, by the same panel GEMM,
     and their argmax in one C call (csrc/screen_head.c's head_argmax), so the same token as the
     full logits give, with none of the tensor operations around them. Right after a step has
     streamed its weights through the caches each such operation cost 5-20x what it costs alone
@@ -328,7 +368,8 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed,
                      tied: bool = False) -> GreedyHead | ScreenedHead | ArgmaxHead | DeviceGreedyHead | None:
     """On a GPU the device head; on a CPU with AVX-512 BF16 GreedyHead for an fp32 panel GEMM head;
     else ScreenedHead for an fp32 or bf16 panel GEMM head where its exact logits are the full
-    head's (checked here); else ArgmaxHead for a bf16 or int8 one. tied: `weight` is the model's
+    head's (checked here), PairsScreenedHead for a bf16 one on AVX-512 BF16; else ArgmaxHead for a
+    bf16 or int8 one. tied: `weight` is the model's
     embeddings."""
     from kernels import cbuild
 
@@ -342,6 +383,10 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed,
         head = ScreenedHead(linear, weight, packed, tied=tied)
         if head.runs_here():
             return head
+        if type(linear) is Bf16PanelLinear:
+            head = PairsScreenedHead(linear, weight, packed)
+            if head.runs_here():
+                return head
     if type(linear) in (Bf16PanelLinear, Int8PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
         head = ArgmaxHead(linear, packed, weight.shape[1])
         if head.runs_here():

@@ -20,7 +20,7 @@ from client import gpu_check
 from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
 from kernels import cbuild
 from kernels.decoder import CpuDecoder
-from kernels.greedy_head import ArgmaxHead, ScreenedHead
+from kernels.greedy_head import ArgmaxHead, PairsScreenedHead, ScreenedHead
 from kernels.linear import (INT8_GROUP, SIGNATURES, Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_bf16,
                             pack_int8, panel_amx_min_rows)
 from tests.checkpoints import configs
@@ -243,6 +243,8 @@ def test_screen_head_builds_for_every_cpu(march, screens, tmp_path):
     ready = code.split("<screen_head_ready>:\n", 1)[1].split("\n\n", 1)[0]
     assert ("$0x1" in ready) == screens, (march, ready)
     assert "<screen_head_logits>:" in code and "<screen_head>:" in code and "<head_argmax>:" in code
+    pairs = code.split("<screen_head_pairs_ready>:\n", 1)[1].split("\n\n", 1)[0]
+    assert ("$0x1" in pairs) == (march == "cooperlake"), (march, pairs)  # the vdpbf16ps GEMM's screen
 
 
 def test_bf16_pack_layout():
@@ -264,8 +266,8 @@ def test_dtype_bfloat16_on_cpu_gets_bf16_weights_fp32_activations_and_the_fused_
     assert model.layers[0].qkv.panels.dtype == torch.bfloat16 and model.lm_head.panels.dtype == torch.bfloat16
     assert isinstance(model.decoder, CpuDecoder) and model.decoder.weights_kind == 1
     # The screened head where the bf16 GEMM is the AVX2 form (an FMA chain the exact logits repeat);
-    # vdpbf16ps rounds the rows to bf16: the full logits' argmax in one call there.
-    assert isinstance(model.greedy_head, ArgmaxHead if ROWS_BF16 else ScreenedHead)
+    # vdpbf16ps rounds the rows to bf16: the screen of rounded rows, its candidates on that chain.
+    assert type(model.greedy_head) is (PairsScreenedHead if ROWS_BF16 else ScreenedHead)
 
 
 @needs_bf16

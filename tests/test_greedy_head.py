@@ -2,19 +2,21 @@
 index on ties), barred tokens excluded, on shapes that exercise the padding (N not a multiple of
 16 or 48, odd K) and the row tiles (1..64 rows): GreedyHead (an fp32 head's bf16 screen, AVX-512
 BF16) on vdpbf16ps and on the AMX tiles, and ScreenedHead (AVX2: an fp32 head's bf16 screen, a
-bf16 head's int8 one), its exact logits read from the head's rows (tied) or its panels; and
-ArgmaxHead (an int8 head, or a bf16 one where no screen holds: the full logits' argmax in one call)."""
+bf16 head's int8 one), its exact logits read from the head's rows (tied) or its panels;
+PairsScreenedHead (a bf16 head's int8 screen on AVX-512 BF16, its exact logits on vdpbf16ps); and
+ArgmaxHead (an int8 head, or a bf16 one past a screen's rows: the full logits' argmax in one call)."""
 import pytest
 import torch
 
 from backends.config import cpu_flags
-from kernels.greedy_head import ArgmaxHead, GreedyHead, ScreenedHead, pick_greedy_head
+from kernels.greedy_head import ArgmaxHead, GreedyHead, PairsScreenedHead, ScreenedHead, pick_greedy_head
 from kernels.linear import Bf16PanelLinear, Int8PanelLinear, PanelLinear, pick_linear
 
 CPU_FLAGS = cpu_flags()
 HAS_BF16 = "avx512_bf16" in CPU_FLAGS
 HAS_AMX = "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
-KINDS = ["vdpbf16ps", "amx", "screened-fp32", "screened-fp32-panels", "screened-bf16", "screened-bf16-panels"]
+KINDS = ["vdpbf16ps", "amx", "screened-fp32", "screened-fp32-panels", "screened-bf16", "screened-bf16-panels",
+         "screened-pairs"]
 ARGMAX_KINDS = ["argmax-int8", "argmax-bf16"]  # no screen: the tests of screens do not apply
 
 
@@ -29,6 +31,10 @@ class Kind:
                 pytest.skip(f"{name}: needs a CPU with AVX-512 BF16" + (" and AMX" if name == "amx" else ""))
             self.linear = pick_linear(torch.device("cpu"), torch.float32)
             assert isinstance(self.linear, PanelLinear)  # an AVX-512 BF16 CPU has AVX-512: the panel GEMM
+        elif name == "screened-pairs":
+            self.linear = pick_linear(torch.device("cpu"), torch.bfloat16)
+            if not HAS_BF16 or type(self.linear) is not Bf16PanelLinear:
+                pytest.skip(f"{name}: needs a CPU with AVX-512 BF16 and its bf16 panel GEMM")
         elif name in ARGMAX_KINDS:
             cpu = torch.device("cpu")
             self.linear = Int8PanelLinear() if name == "argmax-int8" else pick_linear(cpu, torch.bfloat16)
@@ -47,6 +53,10 @@ class Kind:
             return head
         if self.name in ARGMAX_KINDS:
             head = ArgmaxHead(self.linear, packed, weight.shape[1])
+            assert head.runs_here()
+            return head
+        if self.name == "screened-pairs":
+            head = PairsScreenedHead(self.linear, weight, packed)
             assert head.runs_here()
             return head
         head = ScreenedHead(self.linear, weight, packed, tied=not self.name.endswith("panels"))
@@ -78,7 +88,7 @@ def test_amx_is_the_default_where_the_cpu_has_it():
 def test_matches_the_full_heads_argmax(kind, n, k):
     g = torch.Generator().manual_seed(n + k)
     head = kind.make(torch.randn(n, k, generator=g))
-    rows = [1, 2, 7, 8, 9, 16, 17, 33, 64]
+    rows = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64]  # 1-6: every int16 tile of PairsScreenedHead's screen
     for m in rows:
         x = torch.randn(m, k, generator=g) * 2
         assert head(x) == reference(kind, head, x), m
@@ -143,9 +153,10 @@ def test_logits_at_are_the_full_heads_bit_for_bit(kind):
         head.logits_at(x, torch.tensor([999]))
 
 
-def test_screened_head_gives_way_past_1024_candidates():
+@pytest.mark.parametrize("name", ["screened-bf16", "screened-pairs"])
+def test_screened_head_gives_way_past_1024_candidates(name):
     """2000 equal rows: every one a candidate, more than the exact recompute takes; none computed."""
-    kind = Kind("screened-bf16")
+    kind = Kind(name)
     g = torch.Generator().manual_seed(5)
     twins = kind.make(torch.randn(1, 16, generator=g).expand(2000, 16).contiguous())
     before = twins.candidates
@@ -162,6 +173,56 @@ def test_the_engine_picks_the_screened_head_for_fp32_and_bf16_heads_the_argmax_h
     assert isinstance(head, ScreenedHead) or isinstance(head, GreedyHead) and type(kind.linear) is PanelLinear
     int8 = Int8PanelLinear()
     assert isinstance(pick_greedy_head(int8, w, int8.prepare(w), tied=True), ArgmaxHead)  # no screen halves its bytes
+
+
+def test_the_pairs_screen_screens_up_to_its_rows_then_gives_way_to_the_full_head():
+    """PairsScreenedHead screens 1..MAX_ROWS rows (each row's candidates counted), and more rows
+    take the full head's argmax (no candidate); the engine picks it for a bf16 head there."""
+    kind = Kind("screened-pairs")
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3000, 96, generator=g)
+    head = kind.make(w)
+    assert isinstance(pick_greedy_head(kind.linear, w, kind.linear.prepare(w), tied=True), PairsScreenedHead)
+    rows = PairsScreenedHead.MAX_ROWS
+    before = head.candidates
+    x = torch.randn(rows, 96, generator=g)
+    assert head(x) == reference(kind, head, x)
+    assert rows <= head.candidates - before <= 8 * rows
+    before = head.candidates
+    x = torch.randn(rows + 1, 96, generator=g)
+    assert head(x) == reference(kind, head, x) and head.candidates == before
+
+
+def rounding_decides(k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A row x and a head whose winner on x as given (token 7) loses on x rounded to bf16 (token 9,
+    a zero row, logit 0; every other logit below -1), by margins past the screen's bound; None
+    where this draw has none. Row 7 is exact in bf16 and in int8 groups (q / 128, a 127 in each
+    group of 32), so the screen has no weight error to widen its bound by."""
+    x = torch.randn(1, k, generator=g)
+    r = x.bfloat16().float()
+    u, rn = (x - r)[0].double(), r[0].double()
+    v = (u - (u @ rn + 2e-3 * u.norm()) / (rn @ rn) * rn).view(-1, 32)  # v . r < 0 < v . x
+    q = torch.round(v * 127 / v.abs().amax(dim=1, keepdim=True)).view(-1)
+    w = (-rn / rn.norm()).float().expand(50, k) + 0.01 * torch.randn(50, k, generator=g)
+    w[9] = 0
+    w[7] = (q / 128).float()
+    w = w.bfloat16().float()
+    on_x, on_r = float(w[7].double() @ x[0].double()), float(w[7].double() @ rn)
+    return (x, w) if on_x > 1e-2 and on_r < -1e-3 else None
+
+
+def test_the_pairs_screen_bounds_the_full_heads_logits_of_the_rounded_rows():
+    """Rows whose bf16 rounding moves the winner: the full head reads the rows rounded, so the screen
+    must bound the distance to those logits, not to the logits of the rows as given (the token with
+    a zero row has no weight error for a bound to cover)."""
+    kind = Kind("screened-pairs")
+    g = torch.Generator().manual_seed(8)
+    found = [case for case in (rounding_decides(64, g) for _ in range(400)) if case is not None]
+    assert len(found) >= 3
+    for x, w in found[:3]:
+        head = kind.make(w)
+        assert reference(kind, head, x) == [9]
+        assert head(x) == [9]
 
 
 @pytest.fixture(params=KINDS + ARGMAX_KINDS)

@@ -38,7 +38,8 @@ enum { GROUP = 32, MAX_CANDIDATES = 1024 };  /* PANEL: panel_gemm.c's */
 /* Where the exact weights are: the head's fp32 rows [N, K] (read as they are, or rounded to bf16
  * as torch rounds them: a bf16 head made from those rows), or the panel GEMM's packing of the head
  * ([N / 48][K][48] fp32, [N / 48][K2][48][2] bf16). */
-enum { ROWS_F32 = 0, ROWS_AS_BF16 = 1, PANELS_F32 = 2, PANELS_BF16 = 3 };
+enum { ROWS_F32 = 0, ROWS_AS_BF16 = 1, PANELS_F32 = 2, PANELS_BF16 = 3, PANELS_BF16_PAIRS = 4 };
+/* PANELS_BF16_PAIRS: the bf16 packing read as the AVX-512 BF16 GEMM reads it (screen_head_pairs). */
 
 static inline float bf16_round(float v)
 {
@@ -75,9 +76,45 @@ static inline float weight_at(const void *w, int layout, int64_t n, int64_t k, i
     }
 }
 
-/* x . W_n as the panel GEMM computes it: one FMA chain over k in order. */
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+enum { PAIRS = 1 };
+
+/* x . W_n as tile_pairs computes it (panel_gemm.c): the row rounded to bf16 as rows_to_bf16 rounds
+ * it, then one vdpbf16ps chain over the k pairs of the 16 columns holding n, in order, with the
+ * same operands (vdpbf16ps rounds as it rounds, so no scalar code can stand in for it). */
+static float pairs_logit(const float *x, const void *w, int64_t n, int64_t k_dim)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2;
+    uint32_t xb[k2_dim];
+    for (int64_t k = 0; k < 2 * k2_dim; k += 16) {
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes(k_dim - k), x + k));
+        _mm256_mask_storeu_epi16((uint16_t *)xb + k, lanes(2 * k2_dim - k), v);
+    }
+    const char *wk = (const char *)w + (n / PANEL) * 4 * PANEL * k2_dim + (n % PANEL) / 16 * 64;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k2_dim; k++, wk += 4 * PANEL)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)xb[k]), (__m512bh)_mm512_loadu_si512(wk));
+    float out[16];
+    _mm512_storeu_ps(out, acc);
+    return out[n % 16];
+}
+#else
+enum { PAIRS = 0 };
+
+static float pairs_logit(const float *x, const void *w, int64_t n, int64_t k_dim)
+{
+    (void)x, (void)w, (void)n, (void)k_dim;
+    return __builtin_nanf("");
+}
+#endif
+
+/* x . W_n as the panel GEMM computes it: one FMA chain over k in order (the AVX-512 BF16 GEMM's
+ * chain of k pairs for PANELS_BF16_PAIRS). */
 static float exact_logit(const float *x, const void *w, int layout, int64_t n, int64_t k_dim)
 {
+    if (layout == PANELS_BF16_PAIRS)
+        return pairs_logit(x, w, n, k_dim);
     float acc = 0.0f;
     for (int64_t k = 0; k < k_dim; k++)
         acc = fmaf(x[k], weight_at(w, layout, n, k, k_dim), acc);
@@ -85,12 +122,12 @@ static float exact_logit(const float *x, const void *w, int layout, int64_t n, i
 }
 
 /* The bound above holds for GEMMs that keep the rows fp32 under bf16 weights and int16 groups under
- * int8 (panel_gemm_avx2.h's, and panel_gemm.c's for AVX-512 VNNI without its BF16); the AVX-512 BF16
- * forms round the rows to bf16: no screen there. */
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))
+ * int8 (panel_gemm_avx2.h's, and panel_gemm.c's for AVX-512 VNNI without its BF16). The AVX-512 BF16
+ * forms round the rows to bf16 and sum k pairs: there screen_head_pairs screens a bf16 head. */
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-int screen_head_ready(void) { return 1; }
+int screen_head_ready(void) { return !PAIRS; }
 
 /* ||x - x'|| for the int16 rows of panel_gemm_avx2.h's rows_to_i16 (an upper bound). */
 static double int16_error(const float *x, int64_t k_dim)
@@ -120,23 +157,28 @@ static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_
         xsq += (double)x[k] * x[k];
     const double xn = sqrt(xsq), dn = int16_rows ? int16_error(x, k_dim) : 0.0;
     const double c = 1.01 * (2.0 * k_dim + groups + 8) * 0x1p-24, inflate = 1.0 + 0x1p-18;
-    /* bound_j = P E_j + Q N_j + 2^-20 |s_j| */
+    /* bound_j = P E_j + Q N_j + 2^-20 |s_j| + A. A: vdpbf16ps flushes subnormal products and sums
+     * and reads subnormal weights as zero, at most 2^-126 a term: (K + sum |x|) 2^-125 in all. */
     const float p = (float)((xn + dn + c * (xn + dn)) * inflate), q = (float)((dn + c * (xn + dn)) * inflate);
-    if (!isfinite(p) || !isfinite(q))
+    double l1 = 0.0;
+    for (int64_t k = 0; layout == PANELS_BF16_PAIRS && k < k_dim; k++)
+        l1 += fabs((double)x[k]);
+    const float a = layout == PANELS_BF16_PAIRS ? (float)((k_dim + l1) * 0x1p-124) : 0.0f;
+    if (!isfinite(p) || !isfinite(q) || !isfinite(a))
         return -1;
     for (int64_t i = 0; i < nb; i++)
         if (banned[i] >= 0 && banned[i] < n_dim)
             s[banned[i]] = -INFINITY;
     const float *error = norms, *norm = norms + n_dim;
     const __m256 vp = _mm256_set1_ps(p), vq = _mm256_set1_ps(q), tiny = _mm256_set1_ps(0x1p-20f);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), va = _mm256_set1_ps(a);
     __m256 lbv = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
     for (; j + 8 <= n_dim; j += 8) {
         const __m256 sv = _mm256_loadu_ps(s + j);
         const __m256 bound = _mm256_fmadd_ps(_mm256_andnot_ps(sign, sv), tiny,
                                              _mm256_fmadd_ps(vp, _mm256_loadu_ps(error + j),
-                                                             _mm256_mul_ps(vq, _mm256_loadu_ps(norm + j))));
+                                                             _mm256_fmadd_ps(vq, _mm256_loadu_ps(norm + j), va)));
         lbv = _mm256_max_ps(_mm256_sub_ps(sv, bound), lbv);  /* a NaN lower bound keeps lbv */
         _mm256_storeu_ps(s + j, _mm256_add_ps(sv, bound));
     }
@@ -145,7 +187,7 @@ static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_
     for (int i = 0; i < 8; i++)
         lb = lanes[i] > lb ? lanes[i] : lb;
     for (; j < n_dim; j++) {
-        const float bound = fmaf(fabsf(s[j]), 0x1p-20f, fmaf(p, error[j], q * norm[j]));
+        const float bound = fmaf(fabsf(s[j]), 0x1p-20f, fmaf(p, error[j], fmaf(q, norm[j], a)));
         lb = s[j] - bound > lb ? s[j] - bound : lb;
         s[j] += bound;
     }
@@ -213,6 +255,73 @@ int screen_head(const float *x, int64_t ldx, const void *screen, int64_t kind, c
     *candidates = count;
     return bad ? -2 : 0;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+int screen_head_pairs_ready(void) { return 1; }
+
+/* Whether the panel GEMM would take m rows of k to the AMX tiles, as a bf16 head or as its int8
+ * screen (gemm_pairs' test): the tiles sum k in another order, and bf16 rows in the screen. */
+static int pairs_on_tiles(int64_t m_dim, int64_t k_dim)
+{
+    const int bf16 = panel_amx_min_rows > 0 && m_dim >= panel_amx_min_rows;
+    const int i8 = panel_amx_min_rows_i8 > 0 && m_dim >= panel_amx_min_rows_i8;
+    return (bf16 || i8) && (k_dim + 1) / 2 >= AMX_K2 && amx_permitted();
+}
+
+/* The rows as the AVX-512 BF16 GEMM reads them: each x rounded to bf16 (nearest even, subnormals
+ * flushed, as rows_to_bf16 rounds), kept as fp32. */
+static void round_rows(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, float *xr)
+{
+    for (int64_t m = 0; m < m_dim; m++)
+        for (int64_t k = 0; k < k_dim; k += 16) {
+            const __mmask16 mask = lanes(k_dim - k);
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + m * ldx + k));
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm512_mask_storeu_ps(xr + m * k_dim + k, mask, v);
+        }
+}
+
+/* The greedy token of each row of x [M, K] under a bf16 head on the AVX-512 BF16 GEMM (panel_gemm.c's
+ * tile_pairs), from an int8 screen as screen_head's: the rows rounded to bf16 first (xr, [M, K]
+ * scratch), so the screen bounds its distance to the real x_r . W_j; the full head's value is that
+ * plus its chain's rounding, which the bound's K terms cover (a vdpbf16ps rounds at most twice a k
+ * pair), and the exact values are the full head's chain (pairs_logit). screen: int8 groups of the
+ * bf16 values (kind 2); w: the bf16 panels; the rest as screen_head's. Returns 0, -2 (a row with no
+ * candidate or too many), or -3 where the GEMM would run these rows on the AMX tiles (another chain):
+ * the caller takes the full head. */
+int screen_head_pairs(const float *x, int64_t ldx, const int8_t *screen, const float *norms, int64_t m_dim,
+                      int64_t n_dim, int64_t k_dim, const uint16_t *w, const int64_t *banned, const int64_t *offsets,
+                      float *s, float *xr, uint32_t *xb, int64_t *tokens, int64_t *candidates)
+{
+    if (pairs_on_tiles(m_dim, k_dim))
+        return -3;
+    round_rows(x, ldx, m_dim, k_dim, xr);
+    if (panel_gemm_i8(xr, k_dim, screen, m_dim, n_dim, k_dim, s, xb) != 0)
+        return -2;
+    const int64_t groups = (k_dim + GROUP - 1) / GROUP;
+    int64_t count = 0;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic) reduction(+ : count) reduction(| : bad) if (m_dim > 1)
+    for (int64_t m = 0; m < m_dim; m++) {
+        tokens[m] = pick_row(xr + m * k_dim, s + m * n_dim, norms, n_dim, k_dim, groups, 1, w, PANELS_BF16_PAIRS,
+                             banned + offsets[m], offsets[m + 1] - offsets[m], &count);
+        bad |= tokens[m] < 0;
+    }
+    *candidates = count;
+    return bad ? -2 : 0;
+}
+#else
+int screen_head_pairs_ready(void) { return 0; }
+
+int screen_head_pairs(const float *x, int64_t ldx, const int8_t *screen, const float *norms, int64_t m_dim,
+                      int64_t n_dim, int64_t k_dim, const uint16_t *w, const int64_t *banned, const int64_t *offsets,
+                      float *s, float *xr, uint32_t *xb, int64_t *tokens, int64_t *candidates)
+{
+    (void)x, (void)ldx, (void)screen, (void)norms, (void)m_dim, (void)n_dim, (void)k_dim, (void)w, (void)banned;
+    (void)offsets, (void)s, (void)xr, (void)xb, (void)tokens, (void)candidates;
+    return -3;
+}
+#endif
 
 /* out[m, u] = x[m] . W[ids[u]] for each of n_ids ids, bit for bit the full head's logit. */
 int screen_head_logits(const float *x, int64_t ldx, const void *w, int64_t layout, int64_t m_dim, int64_t k_dim,
