@@ -229,6 +229,24 @@ static int64_t pick_row(const float *x, float *s, const float *norms, int64_t n_
 }
 #endif
 
+/* Each row's token from its screen logits s [M, N] (pick_row); 0, or -2 where a row has none. */
+static int pick_rows(const float *x, int64_t ldx, float *s, const float *norms, int64_t m_dim, int64_t n_dim,
+                     int64_t k_dim, int int16_rows, const void *w, int layout, const int64_t *banned,
+                     const int64_t *offsets, int64_t *tokens, int64_t *candidates)
+{
+    const int64_t groups = (k_dim + GROUP - 1) / GROUP;
+    int64_t count = 0;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic) reduction(+ : count) reduction(| : bad) if (m_dim > 1)
+    for (int64_t m = 0; m < m_dim; m++) {
+        tokens[m] = pick_row(x + m * ldx, s + m * n_dim, norms, n_dim, k_dim, groups, int16_rows, w, layout,
+                             banned + offsets[m], offsets[m + 1] - offsets[m], &count);
+        bad |= tokens[m] < 0;
+    }
+    *candidates = count;
+    return bad ? -2 : 0;
+}
+
 /* x [M, K] (row stride ldx); screen: the panel GEMM's packing of W' (kind 1 bf16, 2 int8); norms
  * [2][N]: every E_j, then every N_j (rounded up); w, layout: the exact weights; banned: row m's
  * barred ids at banned[offsets[m] .. offsets[m + 1]); s: scratch [M, N] (the screen logits); xb:
@@ -243,17 +261,8 @@ int screen_head(const float *x, int64_t ldx, const void *screen, int64_t kind, c
                              : panel_gemm_bf16(x, ldx, (const uint16_t *)screen, m_dim, n_dim, k_dim, s, xb);
     if (rc != 0)
         return -2;
-    const int64_t groups = (k_dim + GROUP - 1) / GROUP;
-    int64_t count = 0;
-    int bad = 0;
-#pragma omp parallel for schedule(dynamic) reduction(+ : count) reduction(| : bad) if (m_dim > 1)
-    for (int64_t m = 0; m < m_dim; m++) {
-        tokens[m] = pick_row(x + m * ldx, s + m * n_dim, norms, n_dim, k_dim, groups, kind == 2, w, (int)layout,
-                             banned + offsets[m], offsets[m + 1] - offsets[m], &count);
-        bad |= tokens[m] < 0;
-    }
-    *candidates = count;
-    return bad ? -2 : 0;
+    return pick_rows(x, ldx, s, norms, m_dim, n_dim, k_dim, kind == 2, w, (int)layout, banned, offsets, tokens,
+                     candidates);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -298,17 +307,8 @@ int screen_head_pairs(const float *x, int64_t ldx, const int8_t *screen, const f
     round_rows(x, ldx, m_dim, k_dim, xr);
     if (panel_gemm_i8(xr, k_dim, screen, m_dim, n_dim, k_dim, s, xb) != 0)
         return -2;
-    const int64_t groups = (k_dim + GROUP - 1) / GROUP;
-    int64_t count = 0;
-    int bad = 0;
-#pragma omp parallel for schedule(dynamic) reduction(+ : count) reduction(| : bad) if (m_dim > 1)
-    for (int64_t m = 0; m < m_dim; m++) {
-        tokens[m] = pick_row(xr + m * k_dim, s + m * n_dim, norms, n_dim, k_dim, groups, 1, w, PANELS_BF16_PAIRS,
-                             banned + offsets[m], offsets[m + 1] - offsets[m], &count);
-        bad |= tokens[m] < 0;
-    }
-    *candidates = count;
-    return bad ? -2 : 0;
+    return pick_rows(xr, k_dim, s, norms, m_dim, n_dim, k_dim, 1, w, PANELS_BF16_PAIRS, banned, offsets, tokens,
+                     candidates);
 }
 #else
 int screen_head_pairs_ready(void) { return 0; }
