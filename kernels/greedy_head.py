@@ -7,7 +7,8 @@ half of the head's weight stream. Only for the panel GEMM's packing (fp32, AVX-5
 CPU with AVX-512 BF16. The screen runs on the AMX tiles where the CPU has them, else on
 vdpbf16ps. Elsewhere ScreenedHead screens fp32 and bf16 heads the same way (csrc/screen_head.c);
 PairsScreenedHead screens a bf16 head on AVX-512 BF16 CPUs, for a step of few rows; and ArgmaxHead
-gives an int8 head's token (or a bf16 one's past those rows) from its full logits in one C call. On a GPU `pick_greedy_head` gives `DeviceGreedyHead`.
+gives an int8 head's token (or a bf16 one's past those rows) from its full logits in one C call.
+On a GPU `pick_greedy_head` gives `DeviceGreedyHead`.
 """
 from __future__ import annotations
 
@@ -368,9 +369,8 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed,
                      tied: bool = False) -> GreedyHead | ScreenedHead | ArgmaxHead | DeviceGreedyHead | None:
     """On a GPU the device head; on a CPU with AVX-512 BF16 GreedyHead for an fp32 panel GEMM head;
     else ScreenedHead for an fp32 or bf16 panel GEMM head where its exact logits are the full
-    head's (checked here), PairsScreenedHead for a bf16 one on AVX-512 BF16; else ArgmaxHead for a
-    bf16 or int8 one. tied: `weight` is the model's
-    embeddings."""
+    head's (checked here; PairsScreenedHead for a bf16 one on AVX-512 BF16); else ArgmaxHead for a
+    bf16 or int8 one. tied: `weight` is the model's embeddings."""
     from kernels import cbuild
 
     if weight.is_cuda:
@@ -380,13 +380,11 @@ def pick_greedy_head(linear, weight: torch.Tensor, packed,
         if head.runs_here():
             return head
     if type(linear) in (PanelLinear, Bf16PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
-        head = ScreenedHead(linear, weight, packed, tied=tied)
+        lib = cbuild.load("screen_head", SCREEN_SIGNATURES)
+        pairs = type(linear) is Bf16PanelLinear and lib.screen_head_pairs_ready()
+        head = PairsScreenedHead(linear, weight, packed) if pairs else ScreenedHead(linear, weight, packed, tied=tied)
         if head.runs_here():
             return head
-        if type(linear) is Bf16PanelLinear:
-            head = PairsScreenedHead(linear, weight, packed)
-            if head.runs_here():
-                return head
     if type(linear) in (Bf16PanelLinear, Int8PanelLinear) and cbuild.available("screen_head", SCREEN_SIGNATURES):
         head = ArgmaxHead(linear, packed, weight.shape[1])
         if head.runs_here():
