@@ -244,6 +244,17 @@ static void panel_pairs(const uint32_t *xb, const char *w, const uint16_t *scale
     }
 }
 
+/* One row x [K] in bf16 pairs, out [K2] uint32 (nearest even), zero past k_dim. */
+static inline void row_to_bf16(const float *x, int64_t k_dim, uint32_t *out)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2;
+    uint16_t *row = (uint16_t *)out;
+    for (int64_t k = 0; k < 2 * k2_dim; k += 16) { /* the tail's loads are masked, the pad zero */
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes(k_dim - k), x + k));
+        _mm256_mask_storeu_epi16(row + k, lanes(2 * k2_dim - k), v);
+    }
+}
+
 /* The rows in bf16 pairs: xb [M, K2] uint32, zero past k_dim; rows M..pad_rows - 1 all zero. */
 static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad_rows, int64_t k_dim, uint32_t *xb)
 {
@@ -252,13 +263,8 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad
     for (int64_t m = m_dim; m < pad_rows; m++)
         memset(xb + m * k2_dim, 0, k2_dim * sizeof(uint32_t));
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < m_dim; m++) {
-        uint16_t *row = (uint16_t *)(xb + m * k2_dim);
-        for (int64_t k = 0; k < 2 * k2_dim; k += 16) { /* the tail's loads are masked, the pad zero */
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes(k_dim - k), x + m * ldx + k));
-            _mm256_mask_storeu_epi16(row + k, lanes(2 * k2_dim - k), v);
-        }
-    }
+    for (int64_t m = 0; m < m_dim; m++)
+        row_to_bf16(x + m * ldx, k_dim, xb + m * k2_dim);
 }
 
 #endif

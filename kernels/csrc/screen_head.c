@@ -80,17 +80,14 @@ static inline float weight_at(const void *w, int layout, int64_t n, int64_t k, i
 #include <immintrin.h>
 enum { PAIRS = 1 };
 
-/* x . W_n as tile_pairs computes it (panel_gemm.c): the row rounded to bf16 as rows_to_bf16 rounds
- * it, then one vdpbf16ps chain over the k pairs of the 16 columns holding n, in order, with the
- * same operands (vdpbf16ps rounds as it rounds, so no scalar code can stand in for it). */
+/* x . W_n as tile_pairs computes it (panel_gemm.c): the row rounded to bf16 as the GEMM rounds it
+ * (row_to_bf16), then one vdpbf16ps chain over the k pairs of the 16 columns holding n, in order,
+ * with the same operands (vdpbf16ps rounds as it rounds, so no scalar code can stand in for it). */
 static float pairs_logit(const float *x, const void *w, int64_t n, int64_t k_dim)
 {
     const int64_t k2_dim = (k_dim + 1) / 2;
     uint32_t xb[k2_dim];
-    for (int64_t k = 0; k < 2 * k2_dim; k += 16) {
-        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes(k_dim - k), x + k));
-        _mm256_mask_storeu_epi16((uint16_t *)xb + k, lanes(2 * k2_dim - k), v);
-    }
+    row_to_bf16(x, k_dim, xb);
     const char *wk = (const char *)w + (n / PANEL) * 4 * PANEL * k2_dim + (n % PANEL) / 16 * 64;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < k2_dim; k++, wk += 4 * PANEL)
@@ -278,7 +275,7 @@ static int pairs_on_tiles(int64_t m_dim, int64_t k_dim)
 }
 
 /* The rows as the AVX-512 BF16 GEMM reads them: each x rounded to bf16 (nearest even, subnormals
- * flushed, as rows_to_bf16 rounds), kept as fp32. */
+ * flushed, as row_to_bf16 rounds), kept as fp32. */
 static void round_rows(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, float *xr)
 {
     for (int64_t m = 0; m < m_dim; m++)
