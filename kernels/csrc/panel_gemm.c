@@ -19,6 +19,7 @@
  * A CPU with AVX2 and no AVX-512 runs the same packed panels through panel_gemm_avx2.h.
  */
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,18 +27,69 @@
  * packed heads with it even where no GEMM below is built). */
 enum { PANEL = 48 };
 
-/* Panels a thread takes at a time in the bf16 and int8 forms (vdpbf16ps and int16 rows, the AVX2
+/* How the panels of the bf16 and int8 forms are shared out (vdpbf16ps and int16 rows, the AVX2
  * header's, AVX-512 without its BF16). One or two rows: a thread's share in one contiguous run,
  * which the hardware prefetcher follows across panels (one panel at a time, the two threads'
  * panels interleaved, a 1-row step's int8 matmuls took 5.5 ms against 4.8 on a 2-vCPU Zen 3,
  * medians of six alternated runs; its int8 matmuls and lm_head 9.3-9.5 against 8.3 on a 2-vCPU
  * Cascade Lake, bf16 15.3-15.7 against 14.2; on a 2-vCPU Zen 4, int8 7.07 against 6.10 ms and bf16
  * 11.55 against 10.81; docs/cpu.md). More rows: one panel at a time, their tiles are compute. */
-static inline int64_t run_chunk(int64_t m_dim, int64_t panels)
+static inline int runs_contiguous(int64_t m_dim)
 {
-    const int64_t threads = omp_get_max_threads();
-    return m_dim <= 2 ? (panels + threads - 1) / threads : 1;
+    return m_dim <= 2;
 }
+
+/* A thread's run of panels [lo, hi) in one word (lo | hi << 32): its owner takes panels off the
+ * front, and a thread that has finished its own run takes them off the back. The two threads of
+ * a 2-vCPU Zen 4 finished their halves of a 1-row matmul 12-18 % of its time apart (which thread
+ * at random): the memory does not share its bandwidth evenly, and a thread the OS preempts stops.
+ * The rest of a slower thread's run is done by the other instead of waited for (docs/cpu.md). */
+struct panel_run {
+    _Alignas(64) _Atomic uint64_t span;
+};
+
+/* runs [threads]: contiguous, ceil(panels / threads) panels a run, or every panel in run 0 (taken
+ * one at a time by whichever thread asks). Before the parallel region. */
+static inline void init_runs(struct panel_run *runs, int64_t threads, int64_t panels, int contiguous)
+{
+    const int64_t each = contiguous ? (panels + threads - 1) / threads : panels;
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t lo = t * each < panels ? t * each : panels, hi = lo + each < panels ? lo + each : panels;
+        atomic_init(&runs[t].span, (uint64_t)lo | (uint64_t)hi << 32);
+    }
+}
+
+/* One panel off the front (or the back) of a run; -1 when it is empty. Relaxed: the panels'
+ * inputs and outputs are ordered by the region's barriers, the word only hands out indices. */
+static inline int64_t take_panel(struct panel_run *run, int front)
+{
+    uint64_t v = atomic_load_explicit(&run->span, memory_order_relaxed);
+    for (;;) {
+        const uint64_t lo = v & 0xFFFFFFFFu, hi = v >> 32;
+        if (lo >= hi)
+            return -1;
+        const uint64_t next = front ? (lo + 1) | hi << 32 : lo | (hi - 1) << 32;
+        if (atomic_compare_exchange_weak_explicit(&run->span, &v, next, memory_order_relaxed, memory_order_relaxed))
+            return (int64_t)(front ? lo : hi - 1);
+    }
+}
+
+/* The calling thread's next panel: its own run's front, else another run's back; -1: none left. A
+ * team smaller than `threads` (a nested region runs alone) takes the missing threads' runs too. */
+static inline int64_t next_panel(struct panel_run *runs, int64_t threads)
+{
+    const int64_t me = omp_get_thread_num();
+    int64_t p = me < threads ? take_panel(&runs[me], 1) : -1;
+    for (int64_t d = 1; p < 0 && d <= threads; d++)
+        p = take_panel(&runs[(me + d) % threads], 0);
+    return p;
+}
+
+/* The shared runs of a call's panels, declared where the parallel region starts. */
+#define PANEL_RUNS(runs, threads, panels, contiguous)                                                         \
+    const int64_t threads = omp_get_max_threads();                                                            \
+    struct panel_run runs[threads];                                                                           \
+    init_runs(runs, threads, panels, contiguous)
 
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
 /* Built without AMX tiles (or without the AVX-512 BF16 GEMM they serve): never tiles. */
@@ -53,11 +105,11 @@ int panel_gemm_amx_ready(void) { return 0; }
  * bf16 3 / 7 / 9 % faster, int8 7 / 8 / 14 % (docs/cpu.md, session 42). */
 enum { ROWS = 8, KBLOCK = 64, KBLOCK_PAIRS = 128, GROUP2 = 16 /* k2 steps of an int8 scale group (32 k) */ };
 
-/* Panels a thread takes at a time: one (see panel_gemm_f32). */
-static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
+/* fp32 panels: one at a time (see panel_gemm_f32). */
+static inline int panel_runs_contiguous(int64_t m_dim)
 {
-    (void)m_dim, (void)panels;
-    return 1;
+    (void)m_dim;
+    return 0;
 }
 
 /* The first `count` of 16 lanes (none below 1, all from 16). */
@@ -473,6 +525,7 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t
     const int64_t pad_rows = tiles ? (m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m_dim;
     const int i16 = scale && !tiles;
     float *xs = (float *)(xb + m_dim * k2_dim);
+    PANEL_RUNS(runs, threads, panels, runs_contiguous(m_dim));
 #pragma omp parallel
     {
         /* int8 panels go to the tiles as bf16, one panel at a time (without room: vdpbf16ps). */
@@ -483,8 +536,7 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t
             rows_to_bf16(x, ldx, m_dim, pad_rows, k_dim, xb);
         if (tiles)
             amx_configure();
-#pragma omp for schedule(dynamic, run_chunk(m_dim, panels))
-        for (int64_t p = 0; p < panels; p++) {
+        for (int64_t p; (p = next_panel(runs, threads)) >= 0;) {
             const char *panel_w = w + p * panel_bytes;
             const uint16_t *panel_scale = scale ? scale + p * groups * PANEL : NULL;
             if (i16) {
@@ -591,8 +643,9 @@ int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_di
 {
     (void)xb;
     const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
-#pragma omp parallel for schedule(dynamic, run_chunk(m_dim, panels))
-    for (int64_t p = 0; p < panels; p++)
+    PANEL_RUNS(runs, threads, panels, runs_contiguous(m_dim));
+#pragma omp parallel
+    for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
         panel_wide(x, ldx, w + p * PANEL * 2 * k2_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;
 }
@@ -605,11 +658,11 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     const char *wc = (const char *)w;
     const uint16_t *scale = (const uint16_t *)(wc + panels * PANEL * 2 * k2_dim);
     float *xs = (float *)(xb + m_dim * k2_dim);
+    PANEL_RUNS(runs, threads, panels, runs_contiguous(m_dim));
 #pragma omp parallel
     {
         rows_to_i16(x, ldx, m_dim, k_dim, xb, xs);
-#pragma omp for schedule(dynamic, run_chunk(m_dim, panels))
-        for (int64_t p = 0; p < panels; p++)
+        for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
             panel_i16(xb, xs, wc + p * PANEL * 2 * k2_dim, scale + p * groups * PANEL, m_dim, n, k2_dim, p * PANEL,
                       y);
     }
@@ -622,7 +675,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #define ROWS AVX2_ROWS
 #define KBLOCK AVX2_KBLOCK
 #define GROUP2 AVX2_GROUP2
-#define panel_chunk avx2_panel_chunk
+#define panel_runs_contiguous avx2_panel_runs_contiguous
 #define start_tile avx2_start_tile
 #define store_tile avx2_store_tile
 #define panel_f32 avx2_panel_f32
@@ -630,7 +683,7 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 #undef ROWS
 #undef KBLOCK
 #undef GROUP2
-#undef panel_chunk
+#undef panel_runs_contiguous
 #undef start_tile
 #undef store_tile
 #undef panel_f32
@@ -666,11 +719,12 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
                    float *y)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-    /* Panels handed out as the threads ask (one at a time, or a few contiguous ones: see
-     * panel_chunk): when the OS preempts one thread (the server's threads share these cores),
-     * the other takes over the rest of its share instead of waiting. */
-#pragma omp parallel for schedule(dynamic, panel_chunk(m_dim, panels))
-    for (int64_t p = 0; p < panels; p++)
+    /* Panels handed out as the threads ask (one at a time, or contiguous runs taken over from the
+     * back: see panel_runs_contiguous): when the OS preempts one thread (the server's threads share
+     * these cores), the other takes over the rest of its share instead of waiting. */
+    PANEL_RUNS(runs, threads, panels, panel_runs_contiguous(m_dim));
+#pragma omp parallel
+    for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
         panel_f32(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;
 }

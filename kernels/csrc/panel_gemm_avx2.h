@@ -23,10 +23,10 @@ enum { ROWS = 6, KBLOCK = 64, GROUP2 = 16 /* k2 steps of an int8 scale group (32
  * once in order; more rows take 4 x 3 tiles, each weight vector loaded serving 4 rows (2 x 6
  * spilled accumulators in the bf16 form and left 65 % of the FMA rate unused at 16 rows). */
 
-/* Panels a thread takes at a time: panel_gemm.c's run_chunk, fp32 too on an AVX2 CPU. */
-static inline int64_t panel_chunk(int64_t m_dim, int64_t panels)
+/* How panels are shared out: panel_gemm.c's runs_contiguous, fp32 too on an AVX2 CPU. */
+static inline int panel_runs_contiguous(int64_t m_dim)
 {
-    return run_chunk(m_dim, panels);
+    return runs_contiguous(m_dim);
 }
 
 /* The first `count` of 8 lanes, as vmaskmov takes it. */
@@ -270,8 +270,9 @@ int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_di
 {
     (void)xb;
     const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
-#pragma omp parallel for schedule(dynamic, panel_chunk(m_dim, panels))
-    for (int64_t p = 0; p < panels; p++)
+    PANEL_RUNS(runs, threads, panels, panel_runs_contiguous(m_dim));
+#pragma omp parallel
+    for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
         panel_bf16(x, ldx, w + p * PANEL * 2 * k2_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;
 }
@@ -283,11 +284,11 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
     const uint16_t *scale = (const uint16_t *)(w + panels * PANEL * 2 * k2_dim);
     float *xs = (float *)(xb + m_dim * k2_dim);
+    PANEL_RUNS(runs, threads, panels, panel_runs_contiguous(m_dim));
 #pragma omp parallel
     {
         rows_to_i16(x, ldx, m_dim, k_dim, xb, xs);
-#pragma omp for schedule(dynamic, panel_chunk(m_dim, panels))
-        for (int64_t p = 0; p < panels; p++)
+        for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
             panel_i16(xb, xs, w + p * PANEL * 2 * k2_dim, scale + p * groups * PANEL, m_dim, n, k2_dim, p * PANEL,
                       y);
     }
