@@ -6,6 +6,7 @@ same defaults (`python -m backends.config`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -186,7 +187,7 @@ class EngineConfig:
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
-    @property
+    @functools.cached_property  # read every step (step_budget); torch.cuda.is_available() is not free
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             # TANDEM_DEVICE pins `auto` (the test suite sets cpu: its references are fp32 on the CPU)
