@@ -21,8 +21,8 @@ from client.gpu_check import NEW_TOKENS, first_logits, greedy, prompts
 from kernels import cbuild
 from kernels.decoder import CpuDecoder
 from kernels.greedy_head import ArgmaxHead, PairsScreenedHead, ScreenedHead
-from kernels.linear import (INT8_GROUP, SIGNATURES, Bf16PanelLinear, Int8PanelLinear, int8_groups, pack_bf16,
-                            pack_int8, panel_amx_min_rows)
+from kernels.linear import (INT8_GROUP, PANEL, SIGNATURES, Bf16PanelLinear, Int8PanelLinear, PanelLinear, int8_groups,
+                            pack_bf16, pack_int8, panel_amx_min_rows)
 from tests.checkpoints import configs
 
 ARCHS = sorted(configs())
@@ -482,3 +482,29 @@ def test_bench_linear_times_every_option(checkpoint, tmp_path):
         assert all(r["best_ms"] > 0 and r["lm_head"] > 0 for r in rows.values())
     amx = Bf16PanelLinear().amx_ready()
     assert len(rows) == 6 + 2 * amx + 3 * torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", [PanelLinear, Bf16PanelLinear, Int8PanelLinear])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("out", [PANEL, 5 * PANEL + 7, 40 * PANEL])
+def test_every_panel_is_computed_once_whatever_the_team(kind, rows, out):
+    """One or two rows' panels go out in contiguous runs, one a thread, that a thread done with its
+    own takes over from the back (csrc/panel_gemm.c's next_panel); more rows take them one at a
+    time. With more threads than cores (3 and 5 on this machine's few) threads are preempted and
+    runs taken over all the time, and with more threads than panels some runs are empty: every
+    output is still computed, bit for bit as on one thread (each column is its own chain). Each
+    team gets new rows, so a panel left out would keep another call's values."""
+    g = torch.Generator().manual_seed(rows * 7 + out)
+    op = kind()
+    w = op.prepare(torch.randn(out, 576, generator=g) * 0.05)
+    threads = torch.get_num_threads()
+    try:
+        for team in (3, 5, 2):
+            x = torch.randn(rows, 576, generator=g)
+            torch.set_num_threads(team)
+            got = op(x, w)
+            torch.set_num_threads(1)
+            assert torch.equal(got.view(torch.int32), op(x, w).view(torch.int32)), team
+    finally:
+        torch.set_num_threads(threads)
