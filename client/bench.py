@@ -154,13 +154,16 @@ def run_level(t: Target, mode: str, level: float, w: Workload, seed: int, run_di
     memory it never wrote, a float of it that reads as NaN stops its JSON writer, and it exits 0
     with profile_export.json empty or ending at a 64 KiB flush (1 run in ~20 here; twice in a row
     for 2 of some 40 levels on one day). Asking for the logprobs would avoid it at the cost of
-    computing them; a rerun is a new measurement, and the row says so."""
+    computing them; a rerun is a new measurement, and the row says so. It gets new prompts (the
+    next seeds; levels are 1000 apart): the first run left its prompts in the server's prefix
+    cache, and the same prompts again measured the cache (Tandem int8 at one stream, TTFT p50 22 ms
+    against 109-115 ms without a rerun, docs/cpu.md session 44)."""
     row = _run_level_once(t, mode, level, w, seed, run_dir, progress)
-    for _ in range(EXPORT_RERUNS):
+    for rerun in range(1, EXPORT_RERUNS + 1):
         if not (row["error"] and _export_cut_short(run_dir)):
             break
         shutil.rmtree(run_dir)
-        row = {**_run_level_once(t, mode, level, w, seed, run_dir, progress), "rerun": "export cut short"}
+        row = {**_run_level_once(t, mode, level, w, seed + rerun, run_dir, progress), "rerun": "export cut short"}
     return row
 
 

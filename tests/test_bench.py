@@ -191,13 +191,15 @@ def test_table_shows_steal_and_notes_a_stolen_level(tmp_path, capsys):
 def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):
     """perf_analyzer has written profile_export.json cut at a 64 KiB boundary and exited 0:
     genai-perf then fails to parse it. That level runs again, up to EXPORT_RERUNS times, and
-    says so; any other failure does not."""
+    says so, each run with new prompts (a seed of its own: the same prompts again would hit the
+    prefix cache the first run filled); any other failure does not."""
     from client import bench
-    calls, cut_runs = [], {"cut": 1, "twice": 2, "always": 99, "other": 0}
+    calls, cut_runs, seeds = [], {"cut": 1, "twice": 2, "always": 99, "other": 0}, {}
 
     def once(t, mode, level, w, seed, run_dir, progress):
         name = os.path.basename(run_dir)
         calls.append(name)
+        seeds.setdefault(name, []).append(seed)
         os.makedirs(run_dir, exist_ok=True)
         if calls.count(name) <= cut_runs[name] or name == "other":
             with open(os.path.join(run_dir, "genai-perf.log"), "w") as f:
@@ -213,6 +215,7 @@ def test_a_level_whose_export_was_cut_short_runs_again(tmp_path, monkeypatch):
         assert calls.count(name) == runs
     row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "always"), None)
     assert row["error"] and calls.count("always") == 3
+    assert seeds["twice"] == [0, 1, 2] and seeds["always"] == [0, 1, 2]
     row = bench.run_level(None, "concurrency", 1, None, 0, str(tmp_path / "other"), None)
     assert row["error"] and "rerun" not in row and calls.count("other") == 1
 
