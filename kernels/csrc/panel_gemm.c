@@ -41,7 +41,7 @@ static inline int runs_contiguous(int64_t m_dim)
 
 /* A thread's run of panels [lo, hi) in one word (lo | hi << 32): its owner takes panels off the
  * front, and a thread that has finished its own run takes them off the back. The two threads of
- * a 2-vCPU Zen 4 finished their halves of a 1-row matmul 12-18 % of its time apart (which thread
+ * a 2-vCPU Zen 4 finished their halves of a 1-row matmul 12-20 % of its span apart (which thread
  * at random): the memory does not share its bandwidth evenly, and a thread the OS preempts stops.
  * The rest of a slower thread's run is done by the other instead of waited for (docs/cpu.md). */
 struct panel_run {
