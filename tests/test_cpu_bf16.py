@@ -218,14 +218,18 @@ def disassembly(source: str, march: str, tmp_path) -> str:
                           check=True).stdout
 
 
+def function_body(code: str, name: str) -> str:
+    """The disassembly of one function ("" where `code` has none of that name)."""
+    return code.split(f"<{name}>:\n", 1)[1].split("\n\n", 1)[0] if f"<{name}>:\n" in code else ""
+
+
 def opens_team(code: str, function: str) -> bool:
-    """Whether `function` of the disassembly calls GOMP_parallel, itself or in a function it calls
-    (the compiler may leave a shared body, e.g. gemm_pairs, out of line)."""
-    body = code.split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
-    callees = {line.rsplit("<", 1)[1].rstrip(">") for line in body.splitlines() if "call" in line and "<" in line}
-    return any("GOMP_parallel" in name for name in callees) or any(
-        f"<{name}>:\n" in code and "GOMP_parallel" in code.split(f"<{name}>:\n", 1)[1].split("\n\n", 1)[0]
-        for name in callees | {line.rsplit("<", 1)[1].rstrip(">") for line in body.splitlines() if "jmp" in line and "<" in line})
+    """Whether `function` of the disassembly calls GOMP_parallel, itself or in a function it calls or
+    jumps to (the compiler may leave a shared body, e.g. gemm_pairs, out of line)."""
+    body = function_body(code, function)
+    targets = {line.rsplit("<", 1)[1].rstrip(">") for line in body.splitlines()
+               if ("call" in line or "jmp" in line) and "<" in line}
+    return "GOMP_parallel" in body or any("GOMP_parallel" in function_body(code, name) for name in targets)
 
 
 @pytest.mark.parametrize("march, forms, vnni", [("skylake-avx512", True, False), ("cascadelake", True, True),
