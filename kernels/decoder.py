@@ -127,6 +127,29 @@ class CpuDecoder:
             raise error(message)
 
 
+def team_max_rows(rows: int | None = None) -> int:
+    """The row count up to which a call runs as one team (csrc/decoder.c's team form; 0: never):
+    returned, then set to `rows` where given (the tests and A/B timings compare both forms)."""
+    value = ctypes.c_int.in_dll(cbuild.load("decoder", SIGNATURES), "decoder_team_max_rows")
+    shipped = value.value
+    if rows is not None:
+        value.value = rows
+    return shipped
+
+
+def team_test_stall(us: int) -> None:
+    """Tests: the team's thread 1 sleeps `us` holding a gate_up panel, once a call (0: never)."""
+    ctypes.c_int.in_dll(cbuild.load("decoder", SIGNATURES), "decoder_team_test_stall_us").value = us
+
+
+def team_counts() -> tuple[int, int]:
+    """Since the library was loaded: the items a team thread took over from another, and the
+    results a thread dropped because another had taken its item over."""
+    fn = cbuild.load("decoder", SIGNATURES).decoder_team_count
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int]
+    return fn(0), fn(1)
+
+
 def pick_decoder(model, attn) -> CpuDecoder | None:
     """The one-call decoder where every op it runs is the C kernel the per-op loop would run."""
     from kernels.cpu_backend import CpuAttention

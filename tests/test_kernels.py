@@ -492,12 +492,12 @@ def test_serving_greedy_identical_torch_and_cpu(checkpoint):
 # --------------------------------------------------------------------------- all layers in one C call
 
 
-def cpu_runner(path: str, backend: str = "cpu"):
+def cpu_runner(path: str, backend: str = "cpu", **knobs):
     from backends.config import EngineConfig
     from backends.runner import ModelRunner
 
     return ModelRunner(EngineConfig(model_path=path, page_size=4, num_pages=64, attention_backend=backend,
-                                    threads=2))
+                                    threads=2, **knobs))
 
 
 def test_decoder_call_is_bit_identical_to_per_op_loop(checkpoint):
@@ -524,6 +524,88 @@ def test_decoder_call_is_bit_identical_to_per_op_loop(checkpoint):
     runner.model.decoder = None
     assert torch.equal(fused, runner.run(batch))
     assert torch.equal(fused_kv, runner.kv)
+
+
+def decode_steps(runner, rows: int, steps: int = 3) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`steps` decode steps of `rows` sequences after their prompts, each sequence in the same
+    pages every time (taken at the first call), from the KV pool as it was: each step's logits,
+    and the KV after the last."""
+    from backends.request import Request, SamplingParams
+    from backends.runner import Batch
+
+    pages = runner.__dict__.setdefault("test_pages", {})
+    before = runner.kv.clone()
+    reqs = []
+    for i in range(rows):
+        req = Request(f"r{i}", list(range(5 + 7 * i, 16 + 9 * i)), SamplingParams(), None, None)
+        req.pages = pages.setdefault(i, runner.pool.allocate(math.ceil((len(req.prompt_ids) + steps) / 4)))
+        runner.run(Batch([(req, len(req.prompt_ids))]))
+        req.num_computed = len(req.prompt_ids)
+        req.output_ids.append(99)
+        reqs.append(req)
+    logits = []
+    for step in range(steps):
+        logits.append(runner.run(Batch([(req, 1) for req in reqs])))
+        for req in reqs:
+            req.num_computed += 1
+            req.output_ids.append(100 + 31 * step + len(req.prompt_ids))
+    kv = runner.kv.clone()
+    runner.kv.copy_(before)
+    return logits, kv
+
+
+@pytest.mark.parametrize("knobs", [{}, {"dtype": "bfloat16"}, {"weights": "int8"},
+                                   {"weights": "int8", "kv_cache_dtype": "float32"}],
+                         ids=["fp32", "bf16", "int8", "int8-fp32kv"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_team_step_is_bit_identical_to_the_per_op_forms(checkpoint, knobs, rows):
+    """A step of one or two decodes runs as one team (decoder.c's team form): the same logits
+    and K/V, bit for bit, as the same call op by op and as the per-op loop of the model."""
+    from kernels.decoder import team_max_rows
+
+    runner = cpu_runner(checkpoint("mistral"), **knobs)
+    if knobs and runner.model.decoder is None:
+        pytest.skip("no bf16 / int8 panel GEMM on this CPU")
+    assert team_max_rows() >= rows
+    team = decode_steps(runner, rows)
+    shipped = team_max_rows(0)
+    try:
+        per_op = decode_steps(runner, rows)
+    finally:
+        team_max_rows(shipped)
+    runner.model.decoder = None
+    loop = decode_steps(runner, rows)
+    for other in (per_op, loop):
+        assert all(torch.equal(a, b) for a, b in zip(team[0], other[0]))
+        assert torch.equal(team[1], other[1])
+
+
+@pytest.mark.parametrize("knobs", [{}, {"weights": "int8"}], ids=["fp32", "int8"])
+def test_team_step_takes_over_from_a_stalled_thread(checkpoint, knobs):
+    """Thread 1 of the team sleeps 20 ms holding a gate_up panel, as a thread the OS preempts
+    does: thread 0 takes that panel over, thread 1's result is dropped when it wakes (the
+    counters say both happened), and the step's logits and K/V are still the per-op form's,
+    bit for bit."""
+    from kernels.decoder import team_counts, team_max_rows, team_test_stall
+
+    runner = cpu_runner(checkpoint("llama"), **knobs)
+    if knobs and runner.model.decoder is None:
+        pytest.skip("no int8 panel GEMM on this CPU")
+    before = team_counts()
+    team_test_stall(20_000)
+    try:
+        stalled = decode_steps(runner, 1)
+    finally:
+        team_test_stall(0)
+    after = team_counts()
+    assert after[0] > before[0] and after[1] > before[1]
+    shipped = team_max_rows(0)
+    try:
+        per_op = decode_steps(runner, 1)
+    finally:
+        team_max_rows(shipped)
+    assert all(torch.equal(a, b) for a, b in zip(stalled[0], per_op[0]))
+    assert torch.equal(stalled[1], per_op[1])
 
 
 def test_decoder_in_layer_groups_is_bit_identical_and_hooks_see_their_layers(checkpoint):

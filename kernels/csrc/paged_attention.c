@@ -415,7 +415,9 @@ static inline __attribute__((always_inline)) void attend_kind(const float *q, co
     }
 }
 
-static void attend(const float *q, const void *k_cache, const void *v_cache, const int64_t *offsets, int64_t len,
+/* Not inlined: decoder.c's team form calls it too, and runs the same instructions. */
+__attribute__((noinline)) static void attend(const float *q, const void *k_cache, const void *v_cache,
+                                             const int64_t *offsets, int64_t len,
                    int64_t dim, int64_t heads, int64_t group, float scale, int bf16, float *scores, float *out)
 {
     if (bf16)

@@ -333,26 +333,39 @@ enum { ROWS16 = 4 }; /* 12 int32 and 12 fp32 accumulators */
 
 /* x [M, K] as int16 pairs, xq [M, K2] (zero past k_dim), and their scales xs [M, groups]; a group
  * holding a NaN or an infinity gets a NaN scale, so its outputs are NaN as fp32's would be. */
-static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+static inline void group_to_i16(const float *x, int64_t ldx, int64_t k_dim, int64_t i, uint32_t *xq, float *xs)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m_dim * groups; i++) {
-        const int64_t m = i / groups, k = i % groups * 2 * GROUP2;
-        __m512 v[2];
-        for (int h = 0; h < 2; h++)
-            v[h] = _mm512_maskz_loadu_ps(lanes(k_dim - k - 16 * h), x + m * ldx + k + 16 * h);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-        const int nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) || _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
-        const int finite = !nan && top <= 3.4028235e38f;
-        const float inv = finite && top > 0 ? 32767.0f / top : 0.0f;
-        xs[i] = finite ? top / 32767.0f : __builtin_nanf("");
-        uint16_t *row = (uint16_t *)(xq + m * k2_dim);
-        for (int h = 0; h < 2; h++) {
-            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
-            _mm256_mask_storeu_epi16(row + k + 16 * h, lanes(2 * k2_dim - k - 16 * h), _mm512_cvtsepi32_epi16(q));
-        }
+    const int64_t m = i / groups, k = i % groups * 2 * GROUP2;
+    __m512 v[2];
+    for (int h = 0; h < 2; h++)
+        v[h] = _mm512_maskz_loadu_ps(lanes(k_dim - k - 16 * h), x + m * ldx + k + 16 * h);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const int nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) || _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
+    const int finite = !nan && top <= 3.4028235e38f;
+    const float inv = finite && top > 0 ? 32767.0f / top : 0.0f;
+    xs[i] = finite ? top / 32767.0f : __builtin_nanf("");
+    uint16_t *row = (uint16_t *)(xq + m * k2_dim);
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+        _mm256_mask_storeu_epi16(row + k + 16 * h, lanes(2 * k2_dim - k - 16 * h), _mm512_cvtsepi32_epi16(q));
     }
+}
+
+static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+{
+    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m_dim * groups; i++)
+        group_to_i16(x, ldx, k_dim, i, xq, xs);
+}
+
+/* The same on the calling thread alone (decoder.c's team form). */
+static void rows_to_i16_alone(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+{
+    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
+    for (int64_t i = 0; i < m_dim * groups; i++)
+        group_to_i16(x, ldx, k_dim, i, xq, xs);
 }
 
 /* k2 steps [k0, k1) (whole groups but for the last) of one tile of up to ROWS16 rows, as tile_pairs. */
@@ -727,5 +740,53 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
     for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
         panel_f32(x, ldx, w + p * PANEL * k_dim, m_dim, n, k_dim, p * PANEL, y);
     return 0;
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* decoder.c's team form takes a GEMM apart: each thread makes its own copy of the rows in the form
+ * its panels read (bf16 pairs, int16 rows and their scales, or none: the fp32 rows as they are),
+ * then computes single panels, each into a [M, PANEL] buffer of its own, with the same functions
+ * (and so the same bits) as panel_gemm_f32 / _bf16 / _i8. No OpenMP here: the team is the
+ * caller's. xb: as panel_gemm_bf16's, for this thread alone. */
+static void gemm_rows_alone(int64_t kind, const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xb)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2;
+    if (kind == 2) {
+        rows_to_i16_alone(x, ldx, m_dim, k_dim, xb, (float *)(xb + m_dim * k2_dim));
+        return;
+    }
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (kind == 1)
+        for (int64_t m = 0; m < m_dim; m++)
+            row_to_bf16(x + m * ldx, k_dim, xb + m * k2_dim);
+#endif
+}
+
+/* Panel p of y = x @ w (w as panel_gemm_*'s, n its columns) into out [M, PANEL]: the panel's padding
+ * columns come out zero. */
+static void gemm_panel_alone(int64_t kind, const float *x, int64_t ldx, const uint32_t *xb, const void *w,
+                             int64_t m_dim, int64_t n, int64_t k_dim, int64_t p, float *out)
+{
+    const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
+    const char *wc = (const char *)w;
+    if (kind == 0) {
+        panel_f32(x, ldx, (const float *)w + p * PANEL * k_dim, m_dim, PANEL, k_dim, 0, out);
+    } else if (kind == 1) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+        (void)x, (void)ldx;
+        panel_pairs(xb, wc + p * PANEL * 4 * k2_dim, NULL, m_dim, PANEL, k2_dim, 0, out);
+#elif defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        (void)xb;
+        panel_wide(x, ldx, (const uint16_t *)w + p * PANEL * 2 * k2_dim, m_dim, PANEL, k_dim, 0, out);
+#else
+        (void)xb;
+        panel_bf16(x, ldx, (const uint16_t *)w + p * PANEL * 2 * k2_dim, m_dim, PANEL, k_dim, 0, out);
+#endif
+    } else {
+        const uint16_t *scale = (const uint16_t *)(wc + panels * PANEL * 2 * k2_dim) + p * groups * PANEL;
+        const float *xs = (const float *)(xb + m_dim * k2_dim);
+        panel_i16(xb, xs, (const void *)(wc + p * PANEL * 2 * k2_dim), scale, m_dim, PANEL, k2_dim, 0, out);
+    }
 }
 #endif

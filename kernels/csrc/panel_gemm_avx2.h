@@ -239,29 +239,42 @@ static void panel_i16(const uint32_t *xq, const float *xs, const int8_t *w, cons
 /* x [M, K] as int16 pairs xq [M, K2] (zero past k_dim) and their scales xs [M, groups], as the
  * AVX-512 code's rows_to_i16: a group's largest |x| / 32767, round to nearest even; a NaN or an
  * infinity in the group gives a NaN scale. */
-static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+static inline void group_to_i16(const float *x, int64_t ldx, int64_t k_dim, int64_t i, uint32_t *xq, float *xs)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m_dim * groups; i++) {
-        const int64_t m = i / groups, k = i % groups * 2 * GROUP2;
-        const int64_t end = k_dim - k < 2 * GROUP2 ? k_dim : k + 2 * GROUP2;
-        const float *row = x + m * ldx;
-        float top = 0.f;
-        int finite = 1;
-        for (int64_t j = k; j < end; j++) {
-            finite &= isfinite(row[j]) != 0;
-            top = fabsf(row[j]) > top ? fabsf(row[j]) : top;
-        }
-        const float inv = finite && top > 0 ? 32767.0f / top : 0.0f;
-        xs[i] = finite ? top / 32767.0f : __builtin_nanf("");
-        int16_t *q = (int16_t *)(xq + m * k2_dim);
-        const int64_t pad = 2 * k2_dim - k < 2 * GROUP2 ? 2 * k2_dim : k + 2 * GROUP2;
-        for (int64_t j = k; j < pad; j++) {
-            const float v = j < end ? nearbyintf(row[j] * inv) : 0.f;
-            q[j] = (int16_t)(v > 32767.f ? 32767 : v < -32768.f ? -32768 : v);
-        }
+    const int64_t m = i / groups, k = i % groups * 2 * GROUP2;
+    const int64_t end = k_dim - k < 2 * GROUP2 ? k_dim : k + 2 * GROUP2;
+    const float *row = x + m * ldx;
+    float top = 0.f;
+    int finite = 1;
+    for (int64_t j = k; j < end; j++) {
+        finite &= isfinite(row[j]) != 0;
+        top = fabsf(row[j]) > top ? fabsf(row[j]) : top;
     }
+    const float inv = finite && top > 0 ? 32767.0f / top : 0.0f;
+    xs[i] = finite ? top / 32767.0f : __builtin_nanf("");
+    int16_t *q = (int16_t *)(xq + m * k2_dim);
+    const int64_t pad = 2 * k2_dim - k < 2 * GROUP2 ? 2 * k2_dim : k + 2 * GROUP2;
+    for (int64_t j = k; j < pad; j++) {
+        const float v = j < end ? nearbyintf(row[j] * inv) : 0.f;
+        q[j] = (int16_t)(v > 32767.f ? 32767 : v < -32768.f ? -32768 : v);
+    }
+}
+
+static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+{
+    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m_dim * groups; i++)
+        group_to_i16(x, ldx, k_dim, i, xq, xs);
+}
+
+/* The same on the calling thread alone (decoder.c's team form). */
+static void rows_to_i16_alone(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
+{
+    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
+    for (int64_t i = 0; i < m_dim * groups; i++)
+        group_to_i16(x, ldx, k_dim, i, xq, xs);
 }
 
 /* xb: unused (the rows stay fp32). */
