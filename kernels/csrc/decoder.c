@@ -75,6 +75,7 @@ struct call {
     float *x, *qkv, *attn, *h, *gate_up, *act;
     uint32_t *xb;
     int64_t q_size, kv_size, width, group;
+    int attn_rows; /* the team form's attention items: a row each (every KV head) or a KV head each */
 };
 
 static const float *const *layer_weights(const struct call *c, int64_t l)
@@ -121,7 +122,7 @@ static int layers_per_op(const struct call *c)
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <x86intrin.h>
 
-/* ---- A step of one or two rows as one team ----
+/* ---- A step of up to 16 rows as one team ----
  *
  * Through tritonserver the server's own threads (the stub's sends, the server's, the client's:
  * about 1 ms of CPU a token on a 2-vCPU machine) preempt one thread of the step's team now and
@@ -129,14 +130,14 @@ static int layers_per_op(const struct call *c)
  * the other thread waits there for the preempted one, so each ms taken from one costs the step
  * nearly a ms of both. Here the whole call is one parallel region, and every thread runs the
  * same program of phases (per layer: norm, qkv, rope and KV store, attention, o_proj, norm,
- * gate_up, down). A phase is a list of items (a panel of a GEMM, a KV head of a row's attention,
- * a row's norm or rope), taken from per-thread runs as panel_gemm.c hands out panels; a thread
- * moves on when every item of the phase is done. An item is computed into the thread's own
- * buffer and published by compare-and-swap: the item's state goes from "taken by t" to "being
- * copied by t", then the copy, then "done". A thread that has waited too long for another's item
- * takes it over (the state from "taken by u" to "taken by t") and computes it itself; the late
- * thread's publish then fails and its result is dropped. So a preempted thread holds up no one,
- * and the one left carries on through the layers alone.
+ * gate_up, SiLU, down). A phase is a list of items (a panel of a GEMM, a row's attention or one
+ * of its KV heads, a row's norm, rope or SiLU), taken from per-thread runs as panel_gemm.c hands
+ * out panels; a thread moves on when every item of the phase is done. An item is computed into
+ * the thread's own buffer and published by compare-and-swap: the item's state goes from "taken
+ * by t" to "being copied by t", then the copy, then "done". A thread that has waited too long for
+ * another's item takes it over (the state from "taken by u" to "taken by t") and computes it
+ * itself; the late thread's publish then fails and its result is dropped. So a preempted thread
+ * holds up no one, and the one left carries on through the layers alone.
  *
  * Why that is safe: a phase reads only what earlier phases wrote and writes only what later
  * phases read, and a phase is done only when all its items are. A thread whose publish succeeds
@@ -147,7 +148,7 @@ static int layers_per_op(const struct call *c)
  *
  * Every item is computed by the functions the per-op form calls (none inlined where a vector
  * sum could be ordered otherwise), so both forms give the same bits (tests/test_kernels.py). */
-int decoder_team_max_rows = 2;      /* rows up to which a call runs as a team; 0: never */
+int decoder_team_max_rows = 16;     /* rows up to which a call runs as a team; 0: never */
 int decoder_team_test_stall_us = 0; /* tests: thread 1 sleeps this long holding a gate_up panel, once a call */
 static _Atomic int64_t team_takeovers, team_dropped;
 
@@ -155,7 +156,7 @@ static _Atomic int64_t team_takeovers, team_dropped;
  * a thread dropped because another had taken its item over. */
 int64_t decoder_team_count(int which) { return atomic_load(which ? &team_dropped : &team_takeovers); }
 
-enum { PH_NORM_IN, PH_QKV, PH_ROPE, PH_ATTN, PH_O, PH_NORM_POST, PH_GATE_UP, PH_DOWN, PHASES };
+enum { PH_NORM_IN, PH_QKV, PH_ROPE, PH_ATTN, PH_O, PH_NORM_POST, PH_GATE_UP, PH_SILU, PH_DOWN, PHASES };
 enum { ITEM_FREE = 0u, ITEM_COPYING = 0x80000000u, ITEM_DONE = 0xFFFFFFFFu };
 /* A thread waits for another's item this long before it takes it over, and at least 4 times its
  * own longest item of the phase: about 30 us at the 3-3.5 GHz of a TSC, where an item takes 1-10
@@ -170,29 +171,30 @@ struct phases {
     int64_t *first_item;     /* [phases + 1]: where a phase's items start in state */
 };
 
-/* One thread's buffers: an item's result, the rows as its GEMM panels read them, SiLU's output,
- * attention's scores and slot offsets. */
+/* One thread's buffers: an item's result, the rows as its GEMM panels read them, attention's
+ * scores and slot offsets. */
 struct scratch {
-    float *out, *act, *scores;
+    float *out, *scores;
     uint32_t *xb;
     int64_t *offsets;
     int stalled;
 };
 
-static int64_t phase_items(const struct decoder_shape *s, int64_t kind, int64_t width)
+static int64_t phase_items(const struct call *c, int64_t kind)
 {
+    const struct decoder_shape *s = c->s;
     const int64_t m = s->rows;
     switch (kind) {
-    case PH_QKV: return (width + PANEL - 1) / PANEL;
-    case PH_ATTN: return m * s->kv_heads;
+    case PH_QKV: return (c->width + PANEL - 1) / PANEL;
+    case PH_ATTN: return c->attn_rows ? m : m * s->kv_heads;
     case PH_O: case PH_DOWN: return (s->hidden + PANEL - 1) / PANEL;
     case PH_GATE_UP: return (2 * s->inter + PANEL - 1) / PANEL;
-    default: return m; /* the norms, rope and KV store: a row each */
+    default: return m; /* the norms, rope and KV store, SiLU: a row each */
     }
 }
 
 /* A GEMM phase's input (x, its row stride, its columns), its weight, output and width. */
-static void gemm_of(const struct call *c, struct scratch *sc, int64_t kind, int64_t l, const float **x, int64_t *ldx,
+static void gemm_of(const struct call *c, int64_t kind, int64_t l, const float **x, int64_t *ldx,
                     int64_t *k, const void **w, float **y, int64_t *n)
 {
     const struct decoder_shape *s = c->s;
@@ -201,7 +203,7 @@ static void gemm_of(const struct call *c, struct scratch *sc, int64_t kind, int6
     case PH_QKV: *x = c->x, *ldx = *k = s->hidden, *w = lw[1], *y = c->qkv, *n = c->width; return;
     case PH_O: *x = c->attn, *ldx = *k = c->q_size, *w = lw[2], *y = c->h, *n = s->hidden; return;
     case PH_GATE_UP: *x = c->x, *ldx = *k = s->hidden, *w = lw[4], *y = c->gate_up, *n = 2 * s->inter; return;
-    default: *x = sc->act, *ldx = *k = s->inter, *w = lw[5], *y = c->h, *n = s->hidden; return;
+    default: *x = c->act, *ldx = *k = s->inter, *w = lw[5], *y = c->h, *n = s->hidden; return;
     }
 }
 
@@ -214,14 +216,11 @@ static int is_gemm(int64_t kind)
 static void prepare(const struct call *c, struct scratch *sc, int64_t kind, int64_t l)
 {
     const struct decoder_shape *s = c->s;
-    if (kind == PH_DOWN)
-        for (int64_t r = 0; r < s->rows; r++)
-            silu_mul_row(c->gate_up + r * 2 * s->inter, s->inter, sc->act + r * s->inter);
     const float *x;
     const void *w;
     float *y;
     int64_t ldx, k, n;
-    gemm_of(c, sc, kind, l, &x, &ldx, &k, &w, &y, &n);
+    gemm_of(c, kind, l, &x, &ldx, &k, &w, &y, &n);
     gemm_rows_alone(s->weights, x, ldx, s->rows, k, sc->xb);
 }
 
@@ -234,22 +233,25 @@ static void compute(const struct call *c, struct scratch *sc, int64_t kind, int6
         const void *w;
         float *y;
         int64_t ldx, k, n;
-        gemm_of(c, sc, kind, l, &x, &ldx, &k, &w, &y, &n);
+        gemm_of(c, kind, l, &x, &ldx, &k, &w, &y, &n);
         gemm_panel_alone(s->weights, x, ldx, sc->xb, w, s->rows, n, k, i, sc->out);
     } else if (kind == PH_NORM_IN || kind == PH_NORM_POST) {
         const int add = kind == PH_NORM_POST || l || c->step->first;
         memcpy(sc->out, c->residual + i * s->hidden, s->hidden * sizeof(float));
         add_rms_norm_row(sc->out, add ? c->h + i * s->hidden : NULL, lw[kind == PH_NORM_IN ? 0 : 3],
                          sc->out + s->hidden, s->hidden, s->eps);
+    } else if (kind == PH_SILU) {
+        silu_mul_row(c->gate_up + i * 2 * s->inter, s->inter, sc->out);
     } else if (kind == PH_ROPE) {
         memcpy(sc->out, c->qkv + i * c->width, (c->q_size + c->kv_size) * sizeof(float));
         rope_row(sc->out, s->heads + s->kv_heads, s->dim, c->cos + i * s->dim, c->sin + i * s->dim);
-    } else { /* PH_ATTN: KV head i % kv_heads of row i / kv_heads, its query heads together */
-        const int64_t b = i / s->kv_heads, hd = i % s->kv_heads;
+    } else { /* PH_ATTN: row i's every KV head, or KV head i % kv_heads of row i / kv_heads */
+        const int64_t b = c->attn_rows ? i : i / s->kv_heads, hd = c->attn_rows ? 0 : i % s->kv_heads;
         slot_offsets(c->pages + c->seqs[b] * s->max_pages, c->lens[b], s->page_size, c->kv_size, hd * s->dim,
                      sc->offsets);
         attend(c->qkv + b * c->width + hd * c->group * s->dim, layer_cache(c, l, 0), layer_cache(c, l, 1),
-               sc->offsets, c->lens[b], s->dim, 1, c->group, s->scale, s->kv_bf16 != 0, sc->scores, sc->out);
+               sc->offsets, c->lens[b], s->dim, c->attn_rows ? s->kv_heads : 1, c->group, s->scale,
+               s->kv_bf16 != 0, sc->scores, sc->out);
     }
 }
 
@@ -261,13 +263,15 @@ static void publish(const struct call *c, struct scratch *sc, int64_t kind, int6
         const void *w;
         float *y;
         int64_t ldx, k, n;
-        gemm_of(c, sc, kind, l, &x, &ldx, &k, &w, &y, &n);
+        gemm_of(c, kind, l, &x, &ldx, &k, &w, &y, &n);
         const int64_t cols = n - i * PANEL < PANEL ? n - i * PANEL : PANEL;
         for (int64_t r = 0; r < s->rows; r++)
             memcpy(y + r * n + i * PANEL, sc->out + r * PANEL, cols * sizeof(float));
     } else if (kind == PH_NORM_IN || kind == PH_NORM_POST) {
         memcpy(c->residual + i * s->hidden, sc->out, s->hidden * sizeof(float));
         memcpy(c->x + i * s->hidden, sc->out + s->hidden, s->hidden * sizeof(float));
+    } else if (kind == PH_SILU) {
+        memcpy(c->act + i * s->inter, sc->out, s->inter * sizeof(float));
     } else if (kind == PH_ROPE) {
         float *row = c->qkv + i * c->width;
         memcpy(row, sc->out, (c->q_size + c->kv_size) * sizeof(float));
@@ -278,8 +282,9 @@ static void publish(const struct call *c, struct scratch *sc, int64_t kind, int6
             store_kv_row_f32(row + c->q_size, row + c->q_size + c->kv_size, c->slots[i], c->kv_size,
                              (float *)layer_cache(c, l, 0), (float *)layer_cache(c, l, 1));
     } else {
-        const int64_t b = i / s->kv_heads, hd = i % s->kv_heads;
-        memcpy(c->attn + (b * s->heads + hd * c->group) * s->dim, sc->out, c->group * s->dim * sizeof(float));
+        const int64_t b = c->attn_rows ? i : i / s->kv_heads, hd = c->attn_rows ? 0 : i % s->kv_heads;
+        const int64_t heads = c->attn_rows ? s->heads : c->group;
+        memcpy(c->attn + (b * s->heads + hd * c->group) * s->dim, sc->out, heads * s->dim * sizeof(float));
     }
 }
 
@@ -358,17 +363,18 @@ static int layers_as_team(const struct call *c, int64_t threads)
         longest = c->lens[b] > longest ? c->lens[b] : longest;
     /* a thread's buffers, each a multiple of 64 bytes */
     const int64_t k2 = (max3(s->hidden, c->q_size, s->inter) + 1) / 2;
-    const int64_t out_bytes = round64(4 * max3(2 * s->hidden, c->q_size + c->kv_size, m * PANEL));
-    const int64_t act_bytes = round64(4 * m * s->inter), xb_bytes = round64(4 * m * (k2 + (k2 + GROUP2 - 1) / GROUP2));
+    const int64_t outs = max3(2 * s->hidden, c->q_size + c->kv_size, m * PANEL); /* >= heads * dim */
+    const int64_t out_bytes = round64(4 * (outs > s->inter ? outs : s->inter));
+    const int64_t xb_bytes = round64(4 * m * (k2 + (k2 + GROUP2 - 1) / GROUP2));
     const int64_t score_bytes = round64(4 * s->heads * longest), offset_bytes = round64(8 * longest);
-    const int64_t per_thread = out_bytes + act_bytes + xb_bytes + score_bytes + offset_bytes;
+    const int64_t per_thread = out_bytes + xb_bytes + score_bytes + offset_bytes;
     struct phases p = {.threads = threads, .first_item = malloc((count + 1) * sizeof(int64_t)),
                        .runs = aligned_alloc(64, round64(count * threads * sizeof(struct panel_run)))};
     char *buffers = aligned_alloc(64, threads * per_thread);
     if (p.first_item) {
         p.first_item[0] = 0;
         for (int64_t ph = 0; ph < count; ph++)
-            p.first_item[ph + 1] = p.first_item[ph] + phase_items(s, ph % PHASES, c->width);
+            p.first_item[ph + 1] = p.first_item[ph] + phase_items(c, ph % PHASES);
         p.state = calloc(p.first_item[count], sizeof(uint32_t));
     }
     int rc = -2;
@@ -379,10 +385,9 @@ static int layers_as_team(const struct call *c, int64_t threads)
         {
             const int64_t me = omp_get_thread_num();
             char *own = buffers + me * per_thread;
-            struct scratch sc = {.out = (float *)own, .act = (float *)(own + out_bytes),
-                                 .xb = (uint32_t *)(own + out_bytes + act_bytes),
-                                 .scores = (float *)(own + out_bytes + act_bytes + xb_bytes),
-                                 .offsets = (int64_t *)(own + out_bytes + act_bytes + xb_bytes + score_bytes)};
+            struct scratch sc = {.out = (float *)own, .xb = (uint32_t *)(own + out_bytes),
+                                 .scores = (float *)(own + out_bytes + xb_bytes),
+                                 .offsets = (int64_t *)(own + out_bytes + xb_bytes + score_bytes)};
             for (int64_t ph = 0; ph < count; ph++)
                 team_phase(c, &p, &sc, me, ph);
         }
@@ -396,6 +401,14 @@ int decoder_team_max_rows = 0, decoder_team_test_stall_us = 0;
 int64_t decoder_team_count(int which) { (void)which; return 0; }
 static int layers_as_team(const struct call *c, int64_t threads) { (void)c, (void)threads; return -1; }
 #endif
+
+/* Where the GEMMs run on AMX tiles (bf16 from 8 rows, int8 from 16: panel_gemm.c) the per-op
+ * form keeps them; the team form's panels are the vdpbf16ps and int16-row ones. */
+static int tiles_would_run(const struct decoder_shape *s)
+{
+    const int from = s->weights == 1 ? panel_amx_min_rows : s->weights == 2 ? panel_amx_min_rows_i8 : 0;
+    return from > 0 && s->rows >= from && panel_gemm_amx_ready();
+}
 
 /* kv: [layers, 2, P, S, Hkv, D] contiguous, fp32 or bf16 (s->kv_bf16), kv_layer_stride elements
  * from one layer to the next and v_offset from a layer's K to its V; weights and kv point at the
@@ -428,10 +441,14 @@ int decoder_forward_f32(const struct decoder_shape *s, const struct decoder_step
         memcpy(sin + r * s->dim, step->sin_table + step->positions[r] * s->dim, s->dim * sizeof(float));
     }
     const int64_t q_size = s->heads * s->dim, kv_size = s->kv_heads * s->dim, threads = omp_get_max_threads();
+    /* As paged_attention_f32 splits a decode: with rows enough for every thread, a row a task */
+    int alone = s->rows >= 2 * threads;
+    for (int64_t b = 1; b < s->rows; b++)
+        alone &= seqs[b - 1] != seqs[b];
     const struct call c = {s, step, residual, weights, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens, cos,
                            sin, x, qkv, attn, h, gate_up, act, xb, q_size, kv_size, q_size + 2 * kv_size,
-                           s->heads / s->kv_heads};
-    const int team = s->rows <= decoder_team_max_rows && threads > 1 && !omp_in_parallel();
+                           s->heads / s->kv_heads, alone};
+    const int team = s->rows <= decoder_team_max_rows && threads > 1 && !omp_in_parallel() && !tiles_would_run(s);
     const int rc = team ? layers_as_team(&c, threads) : layers_per_op(&c);
     if (rc != 0)
         return rc;
