@@ -193,17 +193,23 @@ static int64_t phase_items(const struct call *c, int64_t kind)
     }
 }
 
-/* A GEMM phase's input (x, its row stride, its columns), its weight, output and width. */
-static void gemm_of(const struct call *c, int64_t kind, int64_t l, const float **x, int64_t *ldx,
-                    int64_t *k, const void **w, float **y, int64_t *n)
+/* A GEMM phase's y [rows, n] = x [rows, k] @ w (x's row stride k). */
+struct gemm {
+    const float *x;
+    const void *w;
+    float *y;
+    int64_t k, n;
+};
+
+static struct gemm gemm_of(const struct call *c, int64_t kind, int64_t l)
 {
     const struct decoder_shape *s = c->s;
     const float *const *lw = layer_weights(c, l);
     switch (kind) {
-    case PH_QKV: *x = c->x, *ldx = *k = s->hidden, *w = lw[1], *y = c->qkv, *n = c->width; return;
-    case PH_O: *x = c->attn, *ldx = *k = c->q_size, *w = lw[2], *y = c->h, *n = s->hidden; return;
-    case PH_GATE_UP: *x = c->x, *ldx = *k = s->hidden, *w = lw[4], *y = c->gate_up, *n = 2 * s->inter; return;
-    default: *x = c->act, *ldx = *k = s->inter, *w = lw[5], *y = c->h, *n = s->hidden; return;
+    case PH_QKV: return (struct gemm){c->x, lw[1], c->qkv, s->hidden, c->width};
+    case PH_O: return (struct gemm){c->attn, lw[2], c->h, c->q_size, s->hidden};
+    case PH_GATE_UP: return (struct gemm){c->x, lw[4], c->gate_up, s->hidden, 2 * s->inter};
+    default: return (struct gemm){c->act, lw[5], c->h, s->inter, s->hidden};
     }
 }
 
@@ -215,13 +221,8 @@ static int is_gemm(int64_t kind)
 /* A thread's inputs of a GEMM phase, made once it holds one of its items. */
 static void prepare(const struct call *c, struct scratch *sc, int64_t kind, int64_t l)
 {
-    const struct decoder_shape *s = c->s;
-    const float *x;
-    const void *w;
-    float *y;
-    int64_t ldx, k, n;
-    gemm_of(c, kind, l, &x, &ldx, &k, &w, &y, &n);
-    gemm_rows_alone(s->weights, x, ldx, s->rows, k, sc->xb);
+    const struct gemm g = gemm_of(c, kind, l);
+    gemm_rows_alone(c->s->weights, g.x, g.k, c->s->rows, g.k, sc->xb);
 }
 
 static void compute(const struct call *c, struct scratch *sc, int64_t kind, int64_t l, int64_t i)
@@ -229,12 +230,8 @@ static void compute(const struct call *c, struct scratch *sc, int64_t kind, int6
     const struct decoder_shape *s = c->s;
     const float *const *lw = layer_weights(c, l);
     if (is_gemm(kind)) {
-        const float *x;
-        const void *w;
-        float *y;
-        int64_t ldx, k, n;
-        gemm_of(c, kind, l, &x, &ldx, &k, &w, &y, &n);
-        gemm_panel_alone(s->weights, x, ldx, sc->xb, w, s->rows, n, k, i, sc->out);
+        const struct gemm g = gemm_of(c, kind, l);
+        gemm_panel_alone(s->weights, g.x, g.k, sc->xb, g.w, s->rows, g.n, g.k, i, sc->out);
     } else if (kind == PH_NORM_IN || kind == PH_NORM_POST) {
         const int add = kind == PH_NORM_POST || l || c->step->first;
         memcpy(sc->out, c->residual + i * s->hidden, s->hidden * sizeof(float));
@@ -259,14 +256,10 @@ static void publish(const struct call *c, struct scratch *sc, int64_t kind, int6
 {
     const struct decoder_shape *s = c->s;
     if (is_gemm(kind)) {
-        const float *x;
-        const void *w;
-        float *y;
-        int64_t ldx, k, n;
-        gemm_of(c, kind, l, &x, &ldx, &k, &w, &y, &n);
-        const int64_t cols = n - i * PANEL < PANEL ? n - i * PANEL : PANEL;
+        const struct gemm g = gemm_of(c, kind, l);
+        const int64_t cols = g.n - i * PANEL < PANEL ? g.n - i * PANEL : PANEL;
         for (int64_t r = 0; r < s->rows; r++)
-            memcpy(y + r * n + i * PANEL, sc->out + r * PANEL, cols * sizeof(float));
+            memcpy(g.y + r * g.n + i * PANEL, sc->out + r * PANEL, cols * sizeof(float));
     } else if (kind == PH_NORM_IN || kind == PH_NORM_POST) {
         memcpy(c->residual + i * s->hidden, sc->out, s->hidden * sizeof(float));
         memcpy(c->x + i * s->hidden, sc->out + s->hidden, s->hidden * sizeof(float));

@@ -331,8 +331,9 @@ static void rows_to_bf16(const float *x, int64_t ldx, int64_t m_dim, int64_t pad
  * rounding of every element but the smallest; the weights are q * s exactly. */
 enum { ROWS16 = 4 }; /* 12 int32 and 12 fp32 accumulators */
 
-/* x [M, K] as int16 pairs, xq [M, K2] (zero past k_dim), and their scales xs [M, groups]; a group
- * holding a NaN or an infinity gets a NaN scale, so its outputs are NaN as fp32's would be. */
+/* Group i of x [M, K] (row i / groups, its 32 k from i % groups * 32) as int16 pairs in xq [M, K2]
+ * (zero past k_dim) and its scale xs[i]; a group holding a NaN or an infinity gets a NaN scale, so
+ * its outputs are NaN as fp32's would be. */
 static inline void group_to_i16(const float *x, int64_t ldx, int64_t k_dim, int64_t i, uint32_t *xq, float *xs)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
@@ -352,18 +353,11 @@ static inline void group_to_i16(const float *x, int64_t ldx, int64_t k_dim, int6
     }
 }
 
+/* Every group of x [M, K], shared by the team; xs [M, groups]. */
 static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
 {
     const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < m_dim * groups; i++)
-        group_to_i16(x, ldx, k_dim, i, xq, xs);
-}
-
-/* The same on the calling thread alone (decoder.c's team form). */
-static void rows_to_i16_alone(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
-{
-    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
     for (int64_t i = 0; i < m_dim * groups; i++)
         group_to_i16(x, ldx, k_dim, i, xq, xs);
 }
@@ -753,7 +747,8 @@ static void gemm_rows_alone(int64_t kind, const float *x, int64_t ldx, int64_t m
 {
     const int64_t k2_dim = (k_dim + 1) / 2;
     if (kind == 2) {
-        rows_to_i16_alone(x, ldx, m_dim, k_dim, xb, (float *)(xb + m_dim * k2_dim));
+        for (int64_t i = 0; i < m_dim * ((k2_dim + GROUP2 - 1) / GROUP2); i++)
+            group_to_i16(x, ldx, k_dim, i, xb, (float *)(xb + m_dim * k2_dim));
         return;
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)

@@ -236,9 +236,9 @@ static void panel_i16(const uint32_t *xq, const float *xs, const int8_t *w, cons
 #undef EACH_TILE
 #undef STRIPS
 
-/* x [M, K] as int16 pairs xq [M, K2] (zero past k_dim) and their scales xs [M, groups], as the
- * AVX-512 code's rows_to_i16: a group's largest |x| / 32767, round to nearest even; a NaN or an
- * infinity in the group gives a NaN scale. */
+/* Group i (row i / groups, its k from i % groups * 32) of x [M, K] as int16 pairs in xq [M, K2]
+ * (zero past k_dim) and its scale xs[i], as the AVX-512 code's group_to_i16: the group's largest
+ * |x| / 32767, round to nearest even; a NaN or an infinity in the group gives a NaN scale. */
 static inline void group_to_i16(const float *x, int64_t ldx, int64_t k_dim, int64_t i, uint32_t *xq, float *xs)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, groups = (k2_dim + GROUP2 - 1) / GROUP2;
@@ -259,22 +259,6 @@ static inline void group_to_i16(const float *x, int64_t ldx, int64_t k_dim, int6
         const float v = j < end ? nearbyintf(row[j] * inv) : 0.f;
         q[j] = (int16_t)(v > 32767.f ? 32767 : v < -32768.f ? -32768 : v);
     }
-}
-
-static void rows_to_i16(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
-{
-    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < m_dim * groups; i++)
-        group_to_i16(x, ldx, k_dim, i, xq, xs);
-}
-
-/* The same on the calling thread alone (decoder.c's team form). */
-static void rows_to_i16_alone(const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xq, float *xs)
-{
-    const int64_t groups = ((k_dim + 1) / 2 + GROUP2 - 1) / GROUP2;
-    for (int64_t i = 0; i < m_dim * groups; i++)
-        group_to_i16(x, ldx, k_dim, i, xq, xs);
 }
 
 /* xb: unused (the rows stay fp32). */
@@ -300,7 +284,9 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     PANEL_RUNS(runs, threads, panels, panel_runs_contiguous(m_dim));
 #pragma omp parallel
     {
-        rows_to_i16(x, ldx, m_dim, k_dim, xb, xs);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m_dim * groups; i++)
+            group_to_i16(x, ldx, k_dim, i, xb, xs);
         for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
             panel_i16(xb, xs, w + p * PANEL * 2 * k2_dim, scale + p * groups * PANEL, m_dim, n, k2_dim, p * PANEL,
                       y);

@@ -126,7 +126,7 @@ static float exact_logit(const float *x, const void *w, int layout, int64_t n, i
 
 int screen_head_ready(void) { return !PAIRS; }
 
-/* ||x - x'|| for the int16 rows of panel_gemm_avx2.h's rows_to_i16 (an upper bound). */
+/* ||x - x'|| for the int16 rows of panel_gemm_avx2.h's group_to_i16 (an upper bound). */
 static double int16_error(const float *x, int64_t k_dim)
 {
     double sq = 0.0;
