@@ -8,8 +8,10 @@
  * sequences on the default model (perf: libpython, libtorch and libc on the engine
  * thread, libgomp's spin on the other). The embedding lookup, the rope tables' rows and
  * the final norm around the layers were six more torch calls a step (0.3-0.4 ms of a 13 ms
- * one-stream step, docs/cpu.md). Each op keeps its own parallel region, so the arithmetic,
- * and the output, are those of the per-op path bit for bit.
+ * one-stream step, docs/cpu.md). A call of more than 16 rows (or whose GEMMs run on AMX tiles)
+ * keeps a parallel region per op (layers_per_op); up to 16 rows the call is one team that runs
+ * the same ops in work items (layers_as_team, below). Either way the arithmetic, and the output,
+ * are those of the per-op path bit for bit.
  *
  * Per layer (weights[l * 6 + i] holds the address of):
  *   x = rms_norm(residual += h) * input_norm[0]      (no add in layer 0)
