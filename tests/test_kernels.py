@@ -492,11 +492,11 @@ def test_serving_greedy_identical_torch_and_cpu(checkpoint):
 # --------------------------------------------------------------------------- all layers in one C call
 
 
-def cpu_runner(path: str, backend: str = "cpu", **knobs):
+def cpu_runner(path: str, backend: str = "cpu", num_pages: int = 64, **knobs):
     from backends.config import EngineConfig
     from backends.runner import ModelRunner
 
-    return ModelRunner(EngineConfig(model_path=path, page_size=4, num_pages=64, attention_backend=backend,
+    return ModelRunner(EngineConfig(model_path=path, page_size=4, num_pages=num_pages, attention_backend=backend,
                                     threads=2, **knobs))
 
 
@@ -557,13 +557,14 @@ def decode_steps(runner, rows: int, steps: int = 3) -> tuple[list[torch.Tensor],
 @pytest.mark.parametrize("knobs", [{}, {"dtype": "bfloat16"}, {"weights": "int8"},
                                    {"weights": "int8", "kv_cache_dtype": "float32"}],
                          ids=["fp32", "bf16", "int8", "int8-fp32kv"])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
 def test_team_step_is_bit_identical_to_the_per_op_forms(checkpoint, knobs, rows):
-    """A step of one or two decodes runs as one team (decoder.c's team form): the same logits
-    and K/V, bit for bit, as the same call op by op and as the per-op loop of the model."""
+    """A step of up to 16 decodes runs as one team (decoder.c's team form; from 8 rows bf16 panels
+    on AMX tiles where the CPU has them, int8 at 16): the same logits and K/V, bit for bit, as the
+    same call op by op and as the per-op loop of the model."""
     from kernels.decoder import team_max_rows
 
-    runner = cpu_runner(checkpoint("mistral"), **knobs)
+    runner = cpu_runner(checkpoint("mistral"), num_pages=160, **knobs)
     if knobs and runner.model.decoder is None:
         pytest.skip("no bf16 / int8 panel GEMM on this CPU")
     shipped = team_max_rows(rows)

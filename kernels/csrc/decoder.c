@@ -8,10 +8,10 @@
  * sequences on the default model (perf: libpython, libtorch and libc on the engine
  * thread, libgomp's spin on the other). The embedding lookup, the rope tables' rows and
  * the final norm around the layers were six more torch calls a step (0.3-0.4 ms of a 13 ms
- * one-stream step, docs/cpu.md). A call of more than 16 rows (or whose GEMMs run on AMX tiles)
- * keeps a parallel region per op (layers_per_op); up to 16 rows the call is one team that runs
- * the same ops in work items (layers_as_team, below). Either way the arithmetic, and the output,
- * are those of the per-op path bit for bit.
+ * one-stream step, docs/cpu.md). A call of more than 16 rows keeps a parallel region per op
+ * (layers_per_op); up to 16 rows the call is one team that runs the same ops in work items
+ * (layers_as_team, below), its GEMM panels on AMX tiles where the per-op form's would be.
+ * Either way the arithmetic, and the output, are those of the per-op path bit for bit.
  *
  * Per layer (weights[l * 6 + i] holds the address of):
  *   x = rms_norm(residual += h) * input_norm[0]      (no add in layer 0)
@@ -124,6 +124,13 @@ static int layers_per_op(const struct call *c)
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <x86intrin.h>
 
+/* Whether any of the call's GEMMs runs on AMX tiles (bf16 from 8 rows, int8 from 16: panel_gemm.c). */
+static int tiles_would_run(const struct decoder_shape *s)
+{
+    return gemm_tiles(s->weights, s->rows, s->hidden) || gemm_tiles(s->weights, s->rows, s->heads * s->dim) ||
+           gemm_tiles(s->weights, s->rows, s->inter);
+}
+
 /* ---- A step of up to 16 rows as one team ----
  *
  * Through tritonserver the server's own threads (the stub's sends, the server's, the client's:
@@ -174,11 +181,12 @@ struct phases {
 };
 
 /* One thread's buffers: an item's result, the rows as its GEMM panels read them, attention's
- * scores and slot offsets. */
+ * scores and slot offsets, an int8 panel made bf16 for the tiles. */
 struct scratch {
     float *out, *scores;
     uint32_t *xb;
     int64_t *offsets;
+    char *panel;
     int stalled;
 };
 
@@ -224,7 +232,8 @@ static int is_gemm(int64_t kind)
 static void prepare(const struct call *c, struct scratch *sc, int64_t kind, int64_t l)
 {
     const struct gemm g = gemm_of(c, kind, l);
-    gemm_rows_alone(c->s->weights, g.x, g.k, c->s->rows, g.k, sc->xb);
+    const int tiles = gemm_tiles(c->s->weights, c->s->rows, g.k);
+    gemm_rows_alone(c->s->weights, tiles, g.x, g.k, c->s->rows, g.k, sc->xb);
 }
 
 static void compute(const struct call *c, struct scratch *sc, int64_t kind, int64_t l, int64_t i)
@@ -233,7 +242,8 @@ static void compute(const struct call *c, struct scratch *sc, int64_t kind, int6
     const float *const *lw = layer_weights(c, l);
     if (is_gemm(kind)) {
         const struct gemm g = gemm_of(c, kind, l);
-        gemm_panel_alone(s->weights, g.x, g.k, sc->xb, g.w, s->rows, g.n, g.k, i, sc->out);
+        gemm_panel_alone(s->weights, gemm_tiles(s->weights, s->rows, g.k), g.x, g.k, sc->xb, g.w, s->rows, g.n, g.k,
+                         i, sc->panel, sc->out);
     } else if (kind == PH_NORM_IN || kind == PH_NORM_POST) {
         const int add = kind == PH_NORM_POST || l || c->step->first;
         memcpy(sc->out, c->residual + i * s->hidden, s->hidden * sizeof(float));
@@ -360,9 +370,11 @@ static int layers_as_team(const struct call *c, int64_t threads)
     const int64_t k2 = (max3(s->hidden, c->q_size, s->inter) + 1) / 2;
     const int64_t outs = max3(2 * s->hidden, c->q_size + c->kv_size, m * PANEL); /* >= heads * dim */
     const int64_t out_bytes = round64(4 * (outs > s->inter ? outs : s->inter));
-    const int64_t xb_bytes = round64(4 * m * (k2 + (k2 + GROUP2 - 1) / GROUP2));
+    const int64_t xb_bytes = round64(4 * ((m + 15) / 16 * 16 * k2 + m * ((k2 + GROUP2 - 1) / GROUP2)));
     const int64_t score_bytes = round64(4 * s->heads * longest), offset_bytes = round64(8 * longest);
-    const int64_t per_thread = out_bytes + xb_bytes + score_bytes + offset_bytes;
+    const int tiles = tiles_would_run(s);
+    const int64_t panel_bytes = tiles && s->weights == 2 ? round64(4 * PANEL * k2) : 0;
+    const int64_t per_thread = out_bytes + xb_bytes + score_bytes + offset_bytes + panel_bytes;
     struct phases p = {.threads = threads, .first_item = malloc((count + 1) * sizeof(int64_t)),
                        .runs = aligned_alloc(64, round64(count * threads * sizeof(struct panel_run)))};
     char *buffers = aligned_alloc(64, threads * per_thread);
@@ -382,9 +394,12 @@ static int layers_as_team(const struct call *c, int64_t threads)
             char *own = buffers + me * per_thread;
             struct scratch sc = {.out = (float *)own, .xb = (uint32_t *)(own + out_bytes),
                                  .scores = (float *)(own + out_bytes + xb_bytes),
-                                 .offsets = (int64_t *)(own + out_bytes + xb_bytes + score_bytes)};
+                                 .offsets = (int64_t *)(own + out_bytes + xb_bytes + score_bytes),
+                                 .panel = own + out_bytes + xb_bytes + score_bytes + offset_bytes};
+            gemm_tiles_configure(tiles);
             for (int64_t ph = 0; ph < count; ph++)
                 team_phase(c, &p, &sc, me, ph);
+            gemm_tiles_release(tiles);
         }
         rc = 0;
     }
@@ -397,13 +412,6 @@ int64_t decoder_team_count(int which) { (void)which; return 0; }
 static int layers_as_team(const struct call *c, int64_t threads) { (void)c, (void)threads; return -1; }
 #endif
 
-/* Where the GEMMs run on AMX tiles (bf16 from 8 rows, int8 from 16: panel_gemm.c) the per-op
- * form keeps them; the team form's panels are the vdpbf16ps and int16-row ones. */
-static int tiles_would_run(const struct decoder_shape *s)
-{
-    const int from = s->weights == 1 ? panel_amx_min_rows : s->weights == 2 ? panel_amx_min_rows_i8 : 0;
-    return from > 0 && s->rows >= from && panel_gemm_amx_ready();
-}
 
 /* kv: [layers, 2, P, S, Hkv, D] contiguous, fp32 or bf16 (s->kv_bf16), kv_layer_stride elements
  * from one layer to the next and v_offset from a layer's K to its V; weights and kv point at the
@@ -443,7 +451,7 @@ int decoder_forward_f32(const struct decoder_shape *s, const struct decoder_step
     const struct call c = {s, step, residual, weights, kv, kv_layer_stride, v_offset, slots, pages, seqs, lens, cos,
                            sin, x, qkv, attn, h, gate_up, act, xb, q_size, kv_size, q_size + 2 * kv_size,
                            s->heads / s->kv_heads, alone};
-    const int team = s->rows <= decoder_team_max_rows && threads > 1 && !omp_in_parallel() && !tiles_would_run(s);
+    const int team = s->rows <= decoder_team_max_rows && threads > 1 && !omp_in_parallel();
     const int rc = team ? layers_as_team(&c, threads) : layers_per_op(&c);
     if (rc != 0)
         return rc;

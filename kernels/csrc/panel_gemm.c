@@ -742,36 +742,89 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
  * its panels read (bf16 pairs, int16 rows and their scales, or none: the fp32 rows as they are),
  * then computes single panels, each into a [M, PANEL] buffer of its own, with the same functions
  * (and so the same bits) as panel_gemm_f32 / _bf16 / _i8. No OpenMP here: the team is the
- * caller's. xb: as panel_gemm_bf16's, for this thread alone. */
-static void gemm_rows_alone(int64_t kind, const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim, uint32_t *xb)
+ * caller's. xb: as panel_gemm_bf16's, for this thread alone. tiles: the GEMM runs on AMX tiles
+ * (gemm_tiles), in a thread that has configured them. */
+static int gemm_tiles(int64_t kind, int64_t m_dim, int64_t k_dim)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    const int from = kind == 1 ? panel_amx_min_rows : kind == 2 ? panel_amx_min_rows_i8 : 0;
+    return from > 0 && m_dim >= from && (k_dim + 1) / 2 >= AMX_K2 && amx_permitted();
+#else
+    (void)kind, (void)m_dim, (void)k_dim;
+    return 0;
+#endif
+}
+
+/* A team thread's tile configuration, set before its first tile panel and released after its last. */
+static void gemm_tiles_configure(int on)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (on)
+        amx_configure();
+#else
+    (void)on;
+#endif
+}
+
+static void gemm_tiles_release(int on)
+{
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (on)
+        amx_release();
+#else
+    (void)on;
+#endif
+}
+
+static void gemm_rows_alone(int64_t kind, int tiles, const float *x, int64_t ldx, int64_t m_dim, int64_t k_dim,
+                            uint32_t *xb)
 {
     const int64_t k2_dim = (k_dim + 1) / 2;
-    if (kind == 2) {
+    if (kind == 2 && !tiles) {
         for (int64_t i = 0; i < m_dim * ((k2_dim + GROUP2 - 1) / GROUP2); i++)
             group_to_i16(x, ldx, k_dim, i, xb, (float *)(xb + m_dim * k2_dim));
         return;
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    if (kind == 1)
+    if (kind != 0) {
         for (int64_t m = 0; m < m_dim; m++)
             row_to_bf16(x + m * ldx, k_dim, xb + m * k2_dim);
+        if (tiles) /* the tiles read whole groups of AMX_ROWS rows */
+            memset(xb + m_dim * k2_dim, 0, ((m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS - m_dim) * k2_dim * 4);
+    }
 #endif
 }
 
 /* Panel p of y = x @ w (w as panel_gemm_*'s, n its columns) into out [M, PANEL]: the panel's padding
- * columns come out zero. */
-static void gemm_panel_alone(int64_t kind, const float *x, int64_t ldx, const uint32_t *xb, const void *w,
-                             int64_t m_dim, int64_t n, int64_t k_dim, int64_t p, float *out)
+ * columns come out zero. as_bf16: room for an int8 panel made bf16 for the tiles. */
+static void gemm_panel_alone(int64_t kind, int tiles, const float *x, int64_t ldx, const uint32_t *xb,
+                             const void *w, int64_t m_dim, int64_t n, int64_t k_dim, int64_t p, char *as_bf16,
+                             float *out)
 {
     const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
     const char *wc = (const char *)w;
+    const uint16_t *scale = kind == 2 ? (const uint16_t *)(wc + panels * PANEL * 2 * k2_dim) + p * groups * PANEL
+                                      : NULL;
     if (kind == 0) {
         panel_f32(x, ldx, (const float *)w + p * PANEL * k_dim, m_dim, PANEL, k_dim, 0, out);
-    } else if (kind == 1) {
+        return;
+    }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-        (void)x, (void)ldx;
-        panel_pairs(xb, wc + p * PANEL * 4 * k2_dim, NULL, m_dim, PANEL, k2_dim, 0, out);
-#elif defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    (void)x, (void)ldx;
+    const char *panel_w = wc + p * PANEL * 2 * k2_dim * (kind == 2 ? 1 : 2);
+    if (tiles && n - p * PANEL >= PANEL) { /* gemm_pairs' tile branch, one panel */
+        if (scale)
+            dequantize_panel(panel_w, scale, k2_dim, as_bf16);
+        panel_amx(xb, scale ? as_bf16 : panel_w, m_dim, PANEL, k2_dim, 0, out);
+    } else if (kind == 1 || tiles) {
+        panel_pairs(xb, panel_w, scale, m_dim, PANEL, k2_dim, 0, out);
+    } else {
+        panel_i16(xb, (const float *)(xb + m_dim * k2_dim), panel_w, scale, m_dim, PANEL, k2_dim, 0, out);
+    }
+#else
+    (void)tiles, (void)as_bf16;
+    if (kind == 1) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
         (void)xb;
         panel_wide(x, ldx, (const uint16_t *)w + p * PANEL * 2 * k2_dim, m_dim, PANEL, k_dim, 0, out);
 #else
@@ -779,9 +832,9 @@ static void gemm_panel_alone(int64_t kind, const float *x, int64_t ldx, const ui
         panel_bf16(x, ldx, (const uint16_t *)w + p * PANEL * 2 * k2_dim, m_dim, PANEL, k_dim, 0, out);
 #endif
     } else {
-        const uint16_t *scale = (const uint16_t *)(wc + panels * PANEL * 2 * k2_dim) + p * groups * PANEL;
-        const float *xs = (const float *)(xb + m_dim * k2_dim);
-        panel_i16(xb, xs, (const void *)(wc + p * PANEL * 2 * k2_dim), scale, m_dim, PANEL, k2_dim, 0, out);
+        panel_i16(xb, (const float *)(xb + m_dim * k2_dim), (const void *)(wc + p * PANEL * 2 * k2_dim), scale, m_dim,
+                  PANEL, k2_dim, 0, out);
     }
+#endif
 }
 #endif
