@@ -412,7 +412,6 @@ int64_t decoder_team_count(int which) { (void)which; return 0; }
 static int layers_as_team(const struct call *c, int64_t threads) { (void)c, (void)threads; return -1; }
 #endif
 
-
 /* kv: [layers, 2, P, S, Hkv, D] contiguous, fp32 or bf16 (s->kv_bf16), kv_layer_stride elements
  * from one layer to the next and v_offset from a layer's K to its V; weights and kv point at the
  * call's first layer. Workspaces: residual and h [rows, hidden] (kept between the calls of one

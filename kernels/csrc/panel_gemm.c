@@ -520,6 +520,8 @@ static void dequantize_panel(const char *w, const uint16_t *scale, int64_t k2_di
     }
 }
 
+static int gemm_tiles(int64_t kind, int64_t m_dim, int64_t k_dim);
+
 /* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16), and M more
  * rows of ceil(K2 / GROUP2) (int16 rows' scales). */
 static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t *scale, int64_t m_dim, int64_t n,
@@ -527,8 +529,7 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t
 {
     const int64_t k2_dim = (k_dim + 1) / 2, panels = (n + PANEL - 1) / PANEL, groups = (k2_dim + GROUP2 - 1) / GROUP2;
     const int64_t panel_bytes = PANEL * 2 * k2_dim * (scale ? 1 : 2);
-    const int from = scale ? panel_amx_min_rows_i8 : panel_amx_min_rows;
-    const int tiles = from > 0 && m_dim >= from && k2_dim >= AMX_K2 && amx_permitted();
+    const int tiles = gemm_tiles(scale ? 2 : 1, m_dim, k_dim);
     const int64_t pad_rows = tiles ? (m_dim + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m_dim;
     const int i16 = scale && !tiles;
     float *xs = (float *)(xb + m_dim * k2_dim);
@@ -744,6 +745,9 @@ int panel_gemm_f32(const float *x, int64_t ldx, const float *w, int64_t m_dim, i
  * (and so the same bits) as panel_gemm_f32 / _bf16 / _i8. No OpenMP here: the team is the
  * caller's. xb: as panel_gemm_bf16's, for this thread alone. tiles: the GEMM runs on AMX tiles
  * (gemm_tiles), in a thread that has configured them. */
+
+/* Whether a GEMM of these weights (0 fp32, 1 bf16, 2 int8) and shape runs on AMX tiles: gemm_pairs'
+ * choice, and the team form's. */
 static int gemm_tiles(int64_t kind, int64_t m_dim, int64_t k_dim)
 {
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
