@@ -67,9 +67,37 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     return lib
 
 
+# Settings of csrc/panel_gemm.c that every library compiling it in (panel_gemm, decoder,
+# screen_head) must hold alike, or a GEMM and the decoder's copy of it would differ: symbol -> the
+# function that decides it, run once a process in the first such library opened.
+SHARED = {"panel_bf16_wide_min_rows": "panel_bf16_wide_choice"}
+_shared: dict[str, int] = {}
+_opened: list[ctypes.CDLL] = []
+
+
 @lru_cache(maxsize=None)
 def _open(name: str) -> ctypes.CDLL:
-    return ctypes.CDLL(str(build(CSRC / f"{name}.c")))
+    lib = ctypes.CDLL(str(build(CSRC / f"{name}.c")))
+    for symbol, decide in SHARED.items():
+        if hasattr(lib, decide):
+            if symbol not in _shared:
+                _shared[symbol] = getattr(lib, decide)()
+            ctypes.c_int.in_dll(lib, symbol).value = _shared[symbol]
+    _opened.append(lib)
+    return lib
+
+
+def shared_setting(symbol: str, value: int | None = None) -> int:
+    """A SHARED setting as decided (opening panel_gemm to decide it); then set to `value`, where
+    given, in every library open now and opened later (tests and A/B timings compare both sides)."""
+    _open("panel_gemm")
+    decided = _shared[symbol]
+    if value is not None:
+        _shared[symbol] = value
+        for lib in _opened:
+            if hasattr(lib, SHARED[symbol]):
+                ctypes.c_int.in_dll(lib, symbol).value = value
+    return decided
 
 
 def load(name: str, signatures: dict[str, tuple]) -> ctypes.CDLL:

@@ -111,6 +111,15 @@ def panel_amx_min_rows(rows: int | None = None, int8: bool = False) -> int:
     return shipped
 
 
+def panel_bf16_wide_min_rows(rows: int | None = None) -> int:
+    """The row count from which a bf16 panel GEMM on a CPU with AVX-512 BF16 takes fp32 rows and its
+    weights widened to fp32 FMAs instead of vdpbf16ps (csrc/panel_gemm.c; 0: never): measured once a
+    process, returned, then set to `rows` where given, in every library holding the GEMM."""
+    from kernels import cbuild
+
+    return cbuild.shared_setting("panel_bf16_wide_min_rows", rows)
+
+
 def scratch_words(rows: int, k: int) -> int:
     """int32 words of the bf16 and int8 GEMMs' scratch for `rows` rows of k: the rows in bf16 pairs,
     whole groups of 16 (AMX tiles read 16 rows), and int16 rows' scales (a row and group of 32 k)."""

@@ -22,7 +22,7 @@ from kernels import cbuild
 from kernels.decoder import CpuDecoder
 from kernels.greedy_head import ArgmaxHead, PairsScreenedHead, ScreenedHead
 from kernels.linear import (INT8_GROUP, PANEL, SIGNATURES, Bf16PanelLinear, Int8PanelLinear, PanelLinear, int8_groups,
-                            pack_bf16, pack_int8, panel_amx_min_rows)
+                            pack_bf16, pack_int8, panel_amx_min_rows, panel_bf16_wide_min_rows)
 from tests.checkpoints import configs
 
 ARCHS = sorted(configs())
@@ -33,38 +33,47 @@ def bf16_runs_here() -> bool:
 
 
 needs_bf16 = pytest.mark.skipif(not bf16_runs_here(), reason="this CPU has neither AVX-512 BF16 nor AVX2 and FMA")
-# The AVX-512 BF16 form rounds the rows to bf16 (vdpbf16ps's operand); the AVX2 form (also an
-# AVX-512 CPU's without its BF16) keeps them fp32.
+# The AVX-512 BF16 form rounds the rows to bf16 (vdpbf16ps's operand), except from
+# panel_bf16_wide_min_rows rows where this CPU's vdpbf16ps is slow; the AVX2 form (also an AVX-512
+# CPU's without its BF16) and that widened form keep them fp32.
 ROWS_BF16 = "avx512_bf16" in cpu_flags()
 
 
 def as_taken(x: torch.Tensor) -> torch.Tensor:
     """The rows in fp64 as the bf16 panel GEMM off the tiles multiplies them."""
-    return x.bfloat16().double() if ROWS_BF16 else x.double()
+    wide = panel_bf16_wide_min_rows()
+    rounded = ROWS_BF16 and not (wide and x.shape[0] >= wide)
+    return x.bfloat16().double() if rounded else x.double()
 
 
 @needs_bf16
 @pytest.mark.parametrize("rows,out,inp", [(1, 49, 577), (3, 96, 64), (8, 100, 31), (9, 48, 130), (17, 1000, 576),
                                           (16, 96, 577), (33, 144, 100), (64, 48, 32),
                                           (130, 50, 1536)])
-@pytest.mark.parametrize("tiles", ["vdpbf16ps", "amx"])
+@pytest.mark.parametrize("tiles", ["vdpbf16ps", "amx", "wide"])
 def test_bf16_panel_gemm_is_the_bf16_product_in_fp32(rows, out, inp, tiles):
-    """Every product of the row (rounded to bf16 but in the AVX2 form) and the rounded weight,
-    summed in fp32: within fp32's summation error of the fp64 sum of the same values; rows with a stride and a bias;
-    on vdpbf16ps alone, and on AMX tiles from the first row (rows short of a group of 16 as zero
-    rows; a k tail and a partial last panel take vdpbf16ps within the tiles' call)."""
+    """Every product of the row (rounded to bf16 but in the AVX2 and widened forms) and the rounded
+    weight, summed in fp32: within fp32's summation error of the fp64 sum of the same values; rows
+    with a stride and a bias; as this CPU runs it, on AMX tiles from the first row (rows short of a
+    group of 16 as zero rows; a k tail and a partial last panel take vdpbf16ps within the tiles'
+    call), and with AVX-512 BF16 widened to fp32 FMAs from the first row (fp32 rows)."""
     if tiles == "amx" and not Bf16PanelLinear().amx_ready():
         pytest.skip("this CPU (or kernel) gives no AMX tiles")
+    if tiles == "wide" and not ROWS_BF16:
+        pytest.skip("without AVX-512 BF16 every bf16 GEMM is widened: the vdpbf16ps case is that one")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, inp + 5, generator=gen)[:, 2:2 + inp]
     w, bias = torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
     lin = Bf16PanelLinear()
-    shipped = panel_amx_min_rows(1 if tiles == "amx" else 0)
+    shipped, wide = panel_amx_min_rows(1 if tiles == "amx" else 0), panel_bf16_wide_min_rows()
+    if tiles == "wide":
+        panel_bf16_wide_min_rows(1)
     try:
         y = lin(x, lin.prepare(w), bias)
+        xr = {"amx": x.bfloat16().double(), "wide": x.double()}.get(tiles, as_taken(x))
     finally:
         panel_amx_min_rows(shipped)
-    xr = x.bfloat16().double() if tiles == "amx" else as_taken(x)
+        panel_bf16_wide_min_rows(wide)
     want = xr @ w.bfloat16().double().T + bias.double()
     scale = xr.abs() @ w.bfloat16().double().abs().T
     assert y.dtype == torch.float32 and y.shape == (rows, out)

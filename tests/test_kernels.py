@@ -554,31 +554,38 @@ def decode_steps(runner, rows: int, steps: int = 3) -> tuple[list[torch.Tensor],
     return logits, kv
 
 
-@pytest.mark.parametrize("knobs", [{}, {"dtype": "bfloat16"}, {"weights": "int8"},
+@pytest.mark.parametrize("knobs", [{}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "wide": 1}, {"weights": "int8"},
                                    {"weights": "int8", "kv_cache_dtype": "float32"}],
-                         ids=["fp32", "bf16", "int8", "int8-fp32kv"])
+                         ids=["fp32", "bf16", "bf16-wide", "int8", "int8-fp32kv"])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
 def test_team_step_is_bit_identical_to_the_per_op_forms(checkpoint, knobs, rows):
     """A step of up to 16 decodes runs as one team (decoder.c's team form; from 8 rows bf16 panels
-    on AMX tiles where the CPU has them, int8 at 16): the same logits and K/V, bit for bit, as the
-    same call op by op and as the per-op loop of the model."""
+    on AMX tiles where the CPU has them, int8 at 16; bf16-wide: bf16 GEMMs widened to fp32 FMAs from
+    the first row, as a CPU whose vdpbf16ps is slow runs them from 9): the same logits and K/V, bit
+    for bit, as the same call op by op and as the per-op loop of the model."""
     from kernels.decoder import team_max_rows
+    from kernels.linear import panel_bf16_wide_min_rows
 
-    runner = cpu_runner(checkpoint("mistral"), num_pages=160, **knobs)
-    if knobs and runner.model.decoder is None:
-        pytest.skip("no bf16 / int8 panel GEMM on this CPU")
-    shipped = team_max_rows(rows)
+    knobs = dict(knobs)
+    wide = panel_bf16_wide_min_rows(knobs.pop("wide", None))
     try:
-        team = decode_steps(runner, rows)
+        runner = cpu_runner(checkpoint("mistral"), num_pages=160, **knobs)
+        if knobs and runner.model.decoder is None:
+            pytest.skip("no bf16 / int8 panel GEMM on this CPU")
+        shipped = team_max_rows(rows)
+        try:
+            team = decode_steps(runner, rows)
+        finally:
+            team_max_rows(shipped)
+        shipped = team_max_rows(0)
+        try:
+            per_op = decode_steps(runner, rows)
+        finally:
+            team_max_rows(shipped)
+        runner.model.decoder = None
+        loop = decode_steps(runner, rows)
     finally:
-        team_max_rows(shipped)
-    shipped = team_max_rows(0)
-    try:
-        per_op = decode_steps(runner, rows)
-    finally:
-        team_max_rows(shipped)
-    runner.model.decoder = None
-    loop = decode_steps(runner, rows)
+        panel_bf16_wide_min_rows(wide)
     for other in (per_op, loop):
         assert all(torch.equal(a, b) for a, b in zip(team[0], other[0]))
         assert torch.equal(team[1], other[1])

@@ -22,10 +22,17 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 /* The packing's width, the same in every build (kernels/linear.py's PANEL; screen_head.c reads
  * packed heads with it even where no GEMM below is built). */
 enum { PANEL = 48 };
+
+/* The row count from which a bf16 GEMM runs widened to fp32 FMAs (panel_wide) on a CPU with AVX-512
+ * BF16, off the tiles; 0: never. Some cores run vdpbf16ps at a quarter of their FMA rate (a 2-vCPU
+ * Xeon, family 6 model 207: 1.3 G a second a thread against 5.3; a Zen 4 runs both at one a cycle),
+ * so kernels.linear measures both once and sets it in every library that holds this file. */
+int panel_bf16_wide_min_rows = 0;
 
 /* How the panels of the bf16 and int8 forms are shared out (vdpbf16ps and int16 rows, the AVX2
  * header's, AVX-512 without its BF16). One or two rows: a thread's share in one contiguous run,
@@ -424,6 +431,78 @@ static void panel_i16(const uint32_t *xq, const float *xs, const char *w, const 
     }
 }
 
+/* bf16 panels widened to fp32 in registers under fp32 rows, as panel_gemm_avx2.h does, 16 lanes at
+ * a time: a k pair of a column is one 32-bit word, the even k's bf16 its low half (the word shifted
+ * left 16), the odd k's its high half (the word masked), both exact fp32. Each output is the same
+ * fused multiply-add chain over k in order as the AVX2 forms', so both give the same bits
+ * (kernels.greedy_head's screen relies on that). AVX-512 without its BF16 runs every bf16 GEMM so;
+ * with it, a GEMM of panel_bf16_wide_min_rows rows or more, where vdpbf16ps is slow (below). */
+enum { ROWS_WIDE = 6 }; /* 18 accumulators, 6 weight vectors, 2 broadcasts of the 32 registers */
+
+static inline __attribute__((always_inline)) void tile_wide(const float *x, int64_t ldx, const uint16_t *w,
+                                                           int64_t n, int64_t k_dim, int64_t k0, int64_t k1,
+                                                           int64_t cols, int rows, int64_t ahead, float *y)
+{
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 acc[ROWS_WIDE][3];
+    __mmask16 mask[3];
+    start_tile(acc, mask, rows, cols, k0, y, n);
+    const uint16_t *wk = w + k0 * 2 * PANEL;
+    for (int64_t k = k0; k < k1; k++, wk += 2 * PANEL) {
+        for (int b = 0; b < 3; b++)
+            _mm_prefetch((const char *)(wk + ahead * 2 * PANEL + 32 * b), _MM_HINT_T0);
+        const int pair = 2 * k + 1 < k_dim;
+        __m512 even[3], odd[3];
+        for (int j = 0; j < 3; j++) {
+            const __m512i pairs = _mm512_loadu_si512(wk + 32 * j);
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+        }
+        for (int m = 0; m < rows; m++) {
+            const float *xm = x + m * ldx + 2 * k;
+            const __m512 xe = _mm512_set1_ps(xm[0]), xo = _mm512_set1_ps(pair ? xm[1] : 0.f);
+            for (int j = 0; j < 3; j++)
+                acc[m][j] = _mm512_fmadd_ps(xo, odd[j], _mm512_fmadd_ps(xe, even[j], acc[m][j]));
+        }
+    }
+    store_tile(acc, mask, rows, y, n);
+}
+
+/* One bf16 panel, all rows, as panel_f32. */
+static void panel_wide(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
+                       int64_t col, float *y)
+{
+    const int64_t cols = n - col < PANEL ? n - col : PANEL, k2_dim = (k_dim + 1) / 2;
+    const int64_t kblock = m_dim > ROWS_WIDE ? KBLOCK : k2_dim;
+    for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
+        const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
+        for (int64_t row = 0; row < m_dim; row += ROWS_WIDE) {
+            const int64_t ahead = row == 0 ? 8 : kblock; /* in k2 steps */
+            const float *xr = x + row * ldx;
+            float *yr = y + row * n + col;
+            switch (m_dim - row < ROWS_WIDE ? m_dim - row : ROWS_WIDE) {
+            case 1: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 1, ahead, yr); break;
+            case 2: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 2, ahead, yr); break;
+            case 3: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 3, ahead, yr); break;
+            case 4: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 4, ahead, yr); break;
+            case 5: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 5, ahead, yr); break;
+            default: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 6, ahead, yr); break;
+            }
+        }
+    }
+}
+
+
+/* Every panel of a bf16 weight in the widened form, the threads' runs as the other forms'. */
+static int gemm_wide(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y)
+{
+    const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
+    PANEL_RUNS(runs, threads, panels, runs_contiguous(m_dim));
+#pragma omp parallel
+    for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
+        panel_wide(x, ldx, w + p * PANEL * 2 * k2_dim, m_dim, n, k_dim, p * PANEL, y);
+    return 0;
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -521,6 +600,7 @@ static void dequantize_panel(const char *w, const uint16_t *scale, int64_t k2_di
 }
 
 static int gemm_tiles(int64_t kind, int64_t m_dim, int64_t k_dim);
+static int gemm_widens(int64_t kind, int64_t m_dim, int64_t k_dim);
 
 /* xb: room for M rounded up to AMX_ROWS rows of K2 (the tiles read whole groups of 16), and M more
  * rows of ceil(K2 / GROUP2) (int16 rows' scales). */
@@ -570,6 +650,8 @@ static int gemm_pairs(const float *x, int64_t ldx, const char *w, const uint16_t
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
 {
+    if (gemm_widens(1, m_dim, k_dim))
+        return gemm_wide(x, ldx, w, m_dim, n, k_dim, y);
     return gemm_pairs(x, ldx, (const char *)w, NULL, m_dim, n, k_dim, y, xb);
 }
 
@@ -583,79 +665,54 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
     const uint16_t *scale = (const uint16_t *)(w + panels * PANEL * 2 * k2_dim);
     return gemm_pairs(x, ldx, (const char *)w, scale, m_dim, n, k_dim, y, xb);
 }
+
+/* ns per multiply-add of the compute-bound tile, best of five batches: one panel of 128 k in L1,
+ * the pairs' 8 rows or the widened form's 6. */
+static double tile_ns_per_mac(int wide)
+{
+    enum { K = 128, K2 = K / 2, CALLS = 100 };
+    static uint16_t w[K2 * 2 * PANEL];
+    static uint32_t xb[ROWS * K2];
+    static float x[ROWS * K], y[ROWS * PANEL];
+    for (int64_t i = 0; i < K2 * 2 * PANEL; i++)
+        w[i] = 0x3c00 + (uint16_t)(i % 7); /* bf16 near 1/128 */
+    for (int64_t i = 0; i < ROWS * K; i++)
+        x[i] = 0.25f + 0.001f * (float)(i % 5);
+    row_to_bf16(x, ROWS * K, xb);
+    const int rows = wide ? ROWS_WIDE : ROWS;
+    double best = 1e30;
+    for (int batch = 0; batch < 5; batch++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (int c = 0; c < CALLS; c++) {
+            if (wide)
+                panel_wide(x, K, w, rows, PANEL, K, 0, y);
+            else
+                panel_pairs(xb, (const char *)w, NULL, rows, PANEL, K2, 0, y);
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double ns = (double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec);
+        best = ns < best ? ns : best;
+    }
+    return best / ((double)CALLS * rows * PANEL * K);
+}
+
+/* The row count from which bf16 GEMMs here should run widened (panel_bf16_wide_min_rows): past the
+ * pairs' one 8-row tile, where the widened form's multiply-adds run faster than vdpbf16ps's on this
+ * core (docs/cpu.md, session 47: from 9 rows it is then faster, at 8 it takes two passes); else 0.
+ * About a millisecond, on the calling thread. */
+int panel_bf16_wide_choice(void)
+{
+    return tile_ns_per_mac(1) < tile_ns_per_mac(0) ? ROWS + 1 : 0;
+}
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* AVX-512 with VNNI but not its BF16 (Cascade Lake, Ice Lake): int8 panels on the int16 rows above
- * (vpdpwssd), and bf16 panels widened to fp32 in registers under fp32 rows, as panel_gemm_avx2.h
- * does, 16 lanes at a time: a k pair of a column is one 32-bit word, the even k's bf16 its low
- * half (the word shifted left 16), the odd k's its high half (the word masked), both exact fp32.
- * Each output is the same fused multiply-add chain over k in order as the AVX2 forms', so both
- * give the same bits (kernels.greedy_head's screen relies on that). */
-enum { ROWS_WIDE = 6 }; /* 18 accumulators, 6 weight vectors, 2 broadcasts of the 32 registers */
-
-static inline __attribute__((always_inline)) void tile_wide(const float *x, int64_t ldx, const uint16_t *w,
-                                                           int64_t n, int64_t k_dim, int64_t k0, int64_t k1,
-                                                           int64_t cols, int rows, int64_t ahead, float *y)
-{
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[ROWS_WIDE][3];
-    __mmask16 mask[3];
-    start_tile(acc, mask, rows, cols, k0, y, n);
-    const uint16_t *wk = w + k0 * 2 * PANEL;
-    for (int64_t k = k0; k < k1; k++, wk += 2 * PANEL) {
-        for (int b = 0; b < 3; b++)
-            _mm_prefetch((const char *)(wk + ahead * 2 * PANEL + 32 * b), _MM_HINT_T0);
-        const int pair = 2 * k + 1 < k_dim;
-        __m512 even[3], odd[3];
-        for (int j = 0; j < 3; j++) {
-            const __m512i pairs = _mm512_loadu_si512(wk + 32 * j);
-            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
-        }
-        for (int m = 0; m < rows; m++) {
-            const float *xm = x + m * ldx + 2 * k;
-            const __m512 xe = _mm512_set1_ps(xm[0]), xo = _mm512_set1_ps(pair ? xm[1] : 0.f);
-            for (int j = 0; j < 3; j++)
-                acc[m][j] = _mm512_fmadd_ps(xo, odd[j], _mm512_fmadd_ps(xe, even[j], acc[m][j]));
-        }
-    }
-    store_tile(acc, mask, rows, y, n);
-}
-
-/* One bf16 panel, all rows, as panel_f32. */
-static void panel_wide(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
-                       int64_t col, float *y)
-{
-    const int64_t cols = n - col < PANEL ? n - col : PANEL, k2_dim = (k_dim + 1) / 2;
-    const int64_t kblock = m_dim > ROWS_WIDE ? KBLOCK : k2_dim;
-    for (int64_t k0 = 0; k0 < k2_dim; k0 += kblock) {
-        const int64_t k1 = k2_dim - k0 < kblock ? k2_dim : k0 + kblock;
-        for (int64_t row = 0; row < m_dim; row += ROWS_WIDE) {
-            const int64_t ahead = row == 0 ? 8 : kblock; /* in k2 steps */
-            const float *xr = x + row * ldx;
-            float *yr = y + row * n + col;
-            switch (m_dim - row < ROWS_WIDE ? m_dim - row : ROWS_WIDE) {
-            case 1: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 1, ahead, yr); break;
-            case 2: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 2, ahead, yr); break;
-            case 3: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 3, ahead, yr); break;
-            case 4: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 4, ahead, yr); break;
-            case 5: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 5, ahead, yr); break;
-            default: tile_wide(xr, ldx, w, n, k_dim, k0, k1, cols, 6, ahead, yr); break;
-            }
-        }
-    }
-}
-
-/* xb: unused (the rows stay fp32). */
+ * (vpdpwssd), and bf16 panels widened to fp32 (panel_wide). xb: unused (the rows stay fp32). */
 int panel_gemm_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim,
                     float *y, uint32_t *xb)
 {
     (void)xb;
-    const int64_t panels = (n + PANEL - 1) / PANEL, k2_dim = (k_dim + 1) / 2;
-    PANEL_RUNS(runs, threads, panels, runs_contiguous(m_dim));
-#pragma omp parallel
-    for (int64_t p; (p = next_panel(runs, threads)) >= 0;)
-        panel_wide(x, ldx, w + p * PANEL * 2 * k2_dim, m_dim, n, k_dim, p * PANEL, y);
-    return 0;
+    return gemm_wide(x, ldx, w, m_dim, n, k_dim, y);
 }
 
 /* xb: the int16 rows, M * K2 words, then their scales, M * groups. */
@@ -759,6 +816,22 @@ static int gemm_tiles(int64_t kind, int64_t m_dim, int64_t k_dim)
 #endif
 }
 
+/* Whether a GEMM of these weights and shape takes fp32 rows and bf16 weights widened to fp32
+ * (panel_wide or the AVX2 header's panel_bf16): every bf16 GEMM without AVX-512 BF16, with it those
+ * of panel_bf16_wide_min_rows rows or more that do not run on the tiles. */
+static int gemm_widens(int64_t kind, int64_t m_dim, int64_t k_dim)
+{
+    if (kind != 1)
+        return 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    const int from = panel_bf16_wide_min_rows;
+    return from > 0 && m_dim >= from && !gemm_tiles(kind, m_dim, k_dim);
+#else
+    (void)m_dim, (void)k_dim;
+    return 1;
+#endif
+}
+
 /* A team thread's tile configuration, set before its first tile panel and released after its last. */
 static void gemm_tiles_configure(int on)
 {
@@ -790,7 +863,7 @@ static void gemm_rows_alone(int64_t kind, int tiles, const float *x, int64_t ldx
         return;
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    if (kind != 0) {
+    if (kind != 0 && !gemm_widens(kind, m_dim, k_dim)) {
         for (int64_t m = 0; m < m_dim; m++)
             row_to_bf16(x + m * ldx, k_dim, xb + m * k2_dim);
         if (tiles) /* the tiles read whole groups of AMX_ROWS rows */
@@ -814,9 +887,10 @@ static void gemm_panel_alone(int64_t kind, int tiles, const float *x, int64_t ld
         return;
     }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    (void)x, (void)ldx;
     const char *panel_w = wc + p * PANEL * 2 * k2_dim * (kind == 2 ? 1 : 2);
-    if (tiles && n - p * PANEL >= PANEL) { /* gemm_pairs' tile branch, one panel */
+    if (gemm_widens(kind, m_dim, k_dim)) {
+        panel_wide(x, ldx, (const uint16_t *)w + p * PANEL * 2 * k2_dim, m_dim, PANEL, k_dim, 0, out);
+    } else if (tiles && n - p * PANEL >= PANEL) { /* gemm_pairs' tile branch, one panel */
         if (scale)
             dequantize_panel(panel_w, scale, k2_dim, as_bf16);
         panel_amx(xb, scale ? as_bf16 : panel_w, m_dim, PANEL, k2_dim, 0, out);
@@ -827,7 +901,7 @@ static void gemm_panel_alone(int64_t kind, int tiles, const float *x, int64_t ld
     }
 #else
     (void)tiles, (void)as_bf16;
-    if (kind == 1) {
+    if (gemm_widens(kind, m_dim, k_dim)) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
         (void)xb;
         panel_wide(x, ldx, (const uint16_t *)w + p * PANEL * 2 * k2_dim, m_dim, PANEL, k_dim, 0, out);
@@ -841,4 +915,8 @@ static void gemm_panel_alone(int64_t kind, int tiles, const float *x, int64_t ld
     }
 #endif
 }
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__))
+int panel_bf16_wide_choice(void) { return 0; }
 #endif
