@@ -31,7 +31,8 @@ enum { PANEL = 48 };
 /* The row count from which a bf16 GEMM runs widened to fp32 FMAs (panel_wide) on a CPU with AVX-512
  * BF16, off the tiles; 0: never. Some cores run vdpbf16ps at a quarter of their FMA rate (a 2-vCPU
  * Xeon, family 6 model 207: 1.3 G a second a thread against 5.3; a Zen 4 runs both at one a cycle),
- * so kernels.linear measures both once and sets it in every library that holds this file. */
+ * so panel_bf16_wide_choice times both once and kernels.cbuild sets its answer in every library
+ * that holds this file. */
 int panel_bf16_wide_min_rows = 0;
 
 /* How the panels of the bf16 and int8 forms are shared out (vdpbf16ps and int16 rows, the AVX2
@@ -491,7 +492,6 @@ static void panel_wide(const float *x, int64_t ldx, const uint16_t *w, int64_t m
         }
     }
 }
-
 
 /* Every panel of a bf16 weight in the widened form, the threads' runs as the other forms'. */
 static int gemm_wide(const float *x, int64_t ldx, const uint16_t *w, int64_t m_dim, int64_t n, int64_t k_dim, float *y)
