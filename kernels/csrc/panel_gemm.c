@@ -671,9 +671,9 @@ int panel_gemm_i8(const float *x, int64_t ldx, const int8_t *w, int64_t m_dim, i
 static double tile_ns_per_mac(int wide)
 {
     enum { K = 128, K2 = K / 2, CALLS = 100 };
-    static uint16_t w[K2 * 2 * PANEL];
-    static uint32_t xb[ROWS * K2];
-    static float x[ROWS * K], y[ROWS * PANEL];
+    uint16_t w[K2 * 2 * PANEL]; /* 12 KB on the stack: threads opening libraries at once share nothing */
+    uint32_t xb[ROWS * K2];
+    float x[ROWS * K], y[ROWS * PANEL];
     for (int64_t i = 0; i < K2 * 2 * PANEL; i++)
         w[i] = 0x3c00 + (uint16_t)(i % 7); /* bf16 near 1/128 */
     for (int64_t i = 0; i < ROWS * K; i++)
