@@ -424,3 +424,43 @@ def test_peer_killed_mid_transfer_survivor_moves_on():
             assert fresh.call("wait", 1, 10)[0][1] == b"ok"
         finally:
             fresh.stop()
+
+
+def _pump_until(done, *transports, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        for t in transports:
+            t.messages()
+        time.sleep(0.002)
+    return done()
+
+
+def test_a_handshake_answer_after_a_redial_waits_for_the_metadata():
+    """The worker redials a peer whose first try ran out (a loaded machine): the redial drops
+    the peer's NIXL metadata and fetches it again. The answer to the first try's HELLO may
+    be read after that; the peer must not count as connected until its metadata is back, or
+    the first message to it fails with NIXL_ERR_NOT_FOUND (seen in CI)."""
+    (kv_a, meta_a), (kv_b, meta_b) = make_buffers(**SHAPE), make_buffers(**SHAPE)
+    with KVTransport("redialer", kv_a, meta_a) as a, KVTransport("answerer", kv_b, meta_b) as b:
+        held, read = [], a._agent.get_new_notifs
+
+        def hold_back():  # UCX still progresses; the answer is read only when we say
+            notifs = read()
+            if notifs:
+                held.append(notifs)
+            return {}
+
+        a.connect(b.name, "127.0.0.1", b.port, timeout_s=10, wait=False)
+        assert _pump_until(lambda: a._dials[b.name].hello_sent, a)
+        a._agent.get_new_notifs = hold_back
+        assert _pump_until(lambda: any(b.name in n for n in held), a, b)  # b's answer is here
+        a.disconnect(b.name)  # what the worker's second try does first: b's metadata is gone
+        assert not a._agent.check_remote_metadata(b.name)
+        a._agent.get_new_notifs = lambda: held.pop(0) if held else read()
+        a.messages()  # the answer to the first try is read now
+        assert not a.is_connected(b.name), "connected to a peer whose metadata is not loaded"
+        a.connect(b.name, "127.0.0.1", b.port, timeout_s=10, wait=False)
+        assert _pump_until(lambda: a.is_connected(b.name), a, b)
+        a.send_message(b.name, b"after the redial")
+        got = []
+        assert _pump_until(lambda: got.extend(b.messages()) or (a.name, b"after the redial") in got)

@@ -8,6 +8,8 @@ metadata rows into a peer's buffers.
 Handshake: `connect()` fetches the peer's NIXL metadata, pushes ours, then
 sends a HELLO control message with our layout and buffer base addresses; the
 peer answers with its own. Each side compares layouts and refuses a mismatch.
+A peer counts as connected only once its NIXL metadata is loaded here too (a
+redial drops it; an answer to the HELLO before the redial may arrive first).
 `connect(wait=False)` lets an engine loop start a handshake and keep working.
 Knowing the peer's base addresses, a writer builds remote descriptors from
 plain page indices, so a request's destination is a page list and a slot.
@@ -276,7 +278,8 @@ class KVTransport:
         self._peers: dict[str, PeerInfo] = {}
         self._failed: dict[str, str] = {}  # peer -> why it cannot be used
         self._dials: dict[str, _Dial] = {}  # handshakes this side started
-        self._replies: dict[str, float] = {}  # peer -> deadline for answering its HELLO
+        # peer -> (deadline for answering its HELLO, its PeerInfo; None if refused)
+        self._replies: dict[str, tuple[float, PeerInfo | None]] = {}
         self._inbox: list[tuple[str, bytes]] = []
         self._leaked: list = []  # handles NIXL would not release yet; retried at close()
 
@@ -547,11 +550,20 @@ class KVTransport:
             self._peers.pop(peer, None)
             self._failed[peer] = f"KV layout of {self.name!r} and {peer!r} differ: " + "; ".join(diffs)
             log.warning("%s", self._failed[peer])
-        else:
-            self._failed.pop(peer, None)
-            self._peers[peer] = info
         if reply:
-            self._replies[peer] = time.monotonic() + _REPLY_WINDOW_S
+            self._replies[peer] = (time.monotonic() + _REPLY_WINDOW_S, None if diffs else info)
+        elif not diffs and self._agent.check_remote_metadata(peer):
+            self._admit(peer, info)
+        elif not diffs:
+            # An answer to a HELLO sent before a redial dropped the peer's metadata: NIXL
+            # cannot message the peer until the refetch lands, when the redial says HELLO
+            # again and the peer answers that one.
+            log.info("%s answered an earlier handshake; waiting for its metadata again", peer)
+
+    def _admit(self, peer: str, info: PeerInfo) -> None:
+        """A handshaken peer whose NIXL metadata is loaded: messages and writes to it can go."""
+        self._failed.pop(peer, None)
+        self._peers[peer] = info
 
     def _rehandshake(self, peer: str, msg: dict) -> None:
         # A known peer says HELLO again: it restarted (same name) or reconnected. Its
@@ -565,9 +577,11 @@ class KVTransport:
                 log.warning("re-fetching metadata of %s failed: %s", peer, e)
 
     def _answer_hellos(self) -> None:
-        for peer, deadline in list(self._replies.items()):
+        for peer, (deadline, info) in list(self._replies.items()):
             if self._agent.check_remote_metadata(peer):
                 del self._replies[peer]
+                if info is not None:
+                    self._admit(peer, info)
                 try:
                     self._send_ctl(peer, self._hello(reply=False))
                 except TransferError as e:
