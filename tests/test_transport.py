@@ -24,6 +24,7 @@ from backends.disagg.transport import (  # noqa: E402
 )
 from backends.disagg import protocol  # noqa: E402
 from backends.disagg.worker import TransferWorker  # noqa: E402
+from tests.test_disagg import wait_for  # noqa: E402
 
 SENTINEL = -1.0
 SHAPE = dict(num_layers=4, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
@@ -426,13 +427,13 @@ def test_peer_killed_mid_transfer_survivor_moves_on():
             fresh.stop()
 
 
-def _pump_until(done, *transports, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not done() and time.monotonic() < deadline:
+def _pumped(done, *transports):
+    """done(), asked after each transport has read its notifications (they advance handshakes)."""
+    def check():
         for t in transports:
             t.messages()
-        time.sleep(0.002)
-    return done()
+        return done()
+    return check
 
 
 def test_a_handshake_answer_after_a_redial_waits_for_the_metadata():
@@ -451,16 +452,16 @@ def test_a_handshake_answer_after_a_redial_waits_for_the_metadata():
             return {}
 
         a.connect(b.name, "127.0.0.1", b.port, timeout_s=10, wait=False)
-        assert _pump_until(lambda: a._dials[b.name].hello_sent, a)
+        assert wait_for(_pumped(lambda: a._dials[b.name].hello_sent, a))
         a._agent.get_new_notifs = hold_back
-        assert _pump_until(lambda: any(b.name in n for n in held), a, b)  # b's answer is here
+        assert wait_for(_pumped(lambda: any(b.name in n for n in held), a, b))  # b's answer is here
         a.disconnect(b.name)  # what the worker's second try does first: b's metadata is gone
         assert not a._agent.check_remote_metadata(b.name)
         a._agent.get_new_notifs = lambda: held.pop(0) if held else read()
         a.messages()  # the answer to the first try is read now
         assert not a.is_connected(b.name), "connected to a peer whose metadata is not loaded"
         a.connect(b.name, "127.0.0.1", b.port, timeout_s=10, wait=False)
-        assert _pump_until(lambda: a.is_connected(b.name), a, b)
+        assert wait_for(_pumped(lambda: a.is_connected(b.name), a, b))
         a.send_message(b.name, b"after the redial")
         got = []
-        assert _pump_until(lambda: got.extend(b.messages()) or (a.name, b"after the redial") in got)
+        assert wait_for(lambda: got.extend(b.messages()) or (a.name, b"after the redial") in got)

@@ -552,13 +552,14 @@ class KVTransport:
             log.warning("%s", self._failed[peer])
         if reply:
             self._replies[peer] = (time.monotonic() + _REPLY_WINDOW_S, None if diffs else info)
-        elif not diffs and self._agent.check_remote_metadata(peer):
-            self._admit(peer, info)
         elif not diffs:
-            # An answer to a HELLO sent before a redial dropped the peer's metadata: NIXL
-            # cannot message the peer until the refetch lands, when the redial says HELLO
-            # again and the peer answers that one.
-            log.info("%s answered an earlier handshake; waiting for its metadata again", peer)
+            if self._agent.check_remote_metadata(peer):
+                self._admit(peer, info)
+            else:
+                # An answer to a HELLO sent before a redial dropped the peer's metadata: NIXL
+                # cannot message the peer until the refetch lands, when the redial says HELLO
+                # again and the peer answers that one.
+                log.info("%s answered an earlier handshake; waiting for its metadata again", peer)
 
     def _admit(self, peer: str, info: PeerInfo) -> None:
         """A handshaken peer whose NIXL metadata is loaded: messages and writes to it can go."""
